@@ -1,0 +1,163 @@
+"""Engine configuration: what `scripts/build_engine.py` writes to `config.json`, validated once.
+
+The engine directory is the unit an operator deploys: `config.json` (this file's dataclasses),
+the tokenizer files and one safetensors file per rank. Loading it never dequantizes or reshards.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+FORMAT_VERSION = 1
+CONFIG_FILE = "config.json"
+SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+
+
+class EngineConfigError(ValueError):
+    """An engine directory or layout that cannot be served."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Rotary scaling as the checkpoint declares it (`rope_type` default, linear or llama3)."""
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ("default", "linear", "llama3"):
+            raise EngineConfigError(f"unsupported rope scaling type {self.rope_type!r}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Llama-family decoder."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise EngineConfigError(
+                f"num_heads ({self.num_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        d = dict(d)
+        d["rope_scaling"] = RopeScaling(**d.get("rope_scaling", {}))
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """Serving limits baked into the engine; requests beyond them are refused at the edge."""
+
+    max_seq_len: int = 2048  # prompt + generated tokens of one sequence
+    max_num_seqs: int = 64  # sequences in one running batch
+    max_num_batched_tokens: int = 2048  # tokens computed in one step (chunked-prefill budget)
+    block_size: int = 16  # tokens per KV-cache block
+
+    def __post_init__(self) -> None:
+        for name in ("max_seq_len", "max_num_seqs", "max_num_batched_tokens", "block_size"):
+            if getattr(self, name) <= 0:
+                raise EngineConfigError(f"{name} must be positive")
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Ranks of one engine instance; one weight file per rank."""
+
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp
+
+    def __post_init__(self) -> None:
+        if (self.tp, self.pp, self.ep) != (1, 1, 1):
+            raise EngineConfigError("this engine build supports only tp=pp=ep=1")
+
+
+@dataclass(frozen=True)
+class TokenizerInfo:
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    pad_token_id: int | None
+    has_chat_template: bool
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    architecture: str
+    dtype: str
+    model: ModelConfig
+    limits: EngineLimits
+    tokenizer: TokenizerInfo
+    parallel: ParallelLayout = field(default_factory=ParallelLayout)
+    source: str = ""
+    format_version: int = FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise EngineConfigError(f"unsupported architecture {self.architecture!r}")
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise EngineConfigError(f"unsupported dtype {self.dtype!r}")
+        if self.limits.max_seq_len > self.model.max_position_embeddings:
+            raise EngineConfigError(
+                f"max_seq_len {self.limits.max_seq_len} exceeds the model's "
+                f"max_position_embeddings {self.model.max_position_embeddings}"
+            )
+
+    def weight_files(self) -> list[str]:
+        return [f"rank{r}.safetensors" for r in range(self.parallel.world_size)]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def save(self, engine_dir: Path) -> None:
+        (engine_dir / CONFIG_FILE).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, engine_dir: str | Path) -> EngineConfig:
+        path = Path(engine_dir) / CONFIG_FILE
+        if not path.is_file():
+            raise EngineConfigError(
+                f"{path} not found: build an engine with scripts/build_engine.py first"
+            )
+        d = json.loads(path.read_text())
+        if d.get("format_version") != FORMAT_VERSION:
+            raise EngineConfigError(
+                f"{path}: format_version {d.get('format_version')} != {FORMAT_VERSION}; rebuild"
+            )
+        tok = dict(d["tokenizer"])
+        tok["eos_token_ids"] = tuple(tok["eos_token_ids"])
+        return cls(
+            architecture=d["architecture"],
+            dtype=d["dtype"],
+            model=ModelConfig.from_dict(d["model"]),
+            limits=EngineLimits(**d["limits"]),
+            tokenizer=TokenizerInfo(**tok),
+            parallel=ParallelLayout(**d.get("parallel", {})),
+            source=d.get("source", ""),
+        )

@@ -1,0 +1,1 @@
+"""The PyTorch engine: sequences in, tokens out, over a paged KV cache."""

@@ -1,0 +1,91 @@
+"""Paged attention over a flat slot-addressed KV cache.
+
+Shapes use: T tokens in the step (all sequences packed), H query heads, K KV heads, D head size,
+S slots in the cache (num_blocks * block_size), B decoding sequences, L longest context among them.
+
+A step mixes sequences that compute many tokens (prompts, chunks, resumed sequences) with
+sequences that compute one (decodes). The former run one attention call each, the latter are
+gathered into one padded batch: on a CPU the per-call overhead of 30 layers x B sequences would
+otherwise dominate a decode step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class PrefillSpan:
+    """A sequence computing `end - start` tokens this step over a context of `context_len`."""
+
+    start: int  # first token index in the packed step
+    end: int
+    context_len: int  # tokens in the cache after this step, including the new ones
+    context_slots: torch.Tensor  # [context_len] slots holding the context, in order
+
+
+@dataclass(frozen=True)
+class DecodeBatch:
+    token_index: torch.Tensor  # [B] index of each decoding token in the packed step
+    slots: torch.Tensor  # [B, L] slots of each context, padded with slot 0
+    mask: torch.Tensor  # [B, 1, 1, L] True where the slot belongs to the context
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    positions: torch.Tensor  # [T]
+    slot_mapping: torch.Tensor  # [T] where each new token's K/V is written
+    prefills: tuple[PrefillSpan, ...]
+    decode: DecodeBatch | None
+    logits_index: torch.Tensor  # [N] tokens whose logits are sampled
+
+
+def write_kv(
+    cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store the step's keys and values. cache: [2, S, K, D]; k, v: [T, K, D]."""
+    cache[0].index_copy_(0, slot_mapping, k)
+    cache[1].index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
+    meta: AttentionMetadata, scale: float,
+) -> torch.Tensor:
+    """Causal attention of the step's queries over each sequence's cached context.
+
+    q: [T, H, D]; k, v: [T, K, D] (already written to `cache`). Returns [T, H, D].
+    """
+    out = torch.empty_like(q)
+    for span in meta.prefills:
+        n = span.end - span.start
+        qs = q[span.start : span.end].transpose(0, 1)  # [H, n, D]
+        if span.context_len == n:  # nothing cached before: use this step's K/V directly
+            ks = k[span.start : span.end].transpose(0, 1)  # [K, n, D]
+            vs = v[span.start : span.end].transpose(0, 1)
+            o = F.scaled_dot_product_attention(
+                qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True
+            )
+        else:
+            ks = cache[0][span.context_slots].transpose(0, 1)  # [K, C, D]
+            vs = cache[1][span.context_slots].transpose(0, 1)
+            past = span.context_len - n
+            rows = torch.arange(n).unsqueeze(1) + past
+            mask = torch.arange(span.context_len).unsqueeze(0) <= rows  # [n, C]
+            o = F.scaled_dot_product_attention(
+                qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True
+            )
+        out[span.start : span.end] = o.transpose(0, 1)
+    if meta.decode is not None:
+        d = meta.decode
+        qd = q[d.token_index].unsqueeze(2)  # [B, H, 1, D]
+        kd = cache[0][d.slots].transpose(1, 2)  # [B, K, L, D]
+        vd = cache[1][d.slots].transpose(1, 2)
+        o = F.scaled_dot_product_attention(
+            qd, kd, vd, attn_mask=d.mask, scale=scale, enable_gqa=True
+        )
+        out[d.token_index] = o.squeeze(2)
+    return out

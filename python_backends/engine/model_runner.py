@@ -1,0 +1,92 @@
+"""Sequences in, logits out: packs one step's tokens, owns the KV pool, runs the model."""
+
+from __future__ import annotations
+
+import torch
+
+from python_backends.config import ModelConfig
+from python_backends.engine.attention import AttentionMetadata, DecodeBatch, PrefillSpan
+from python_backends.engine.scheduler import SchedulerOutput
+from python_backends.engine.sequence import Sequence
+from python_backends.models.llama import LlamaForCausalLM
+
+
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int) -> None:
+        self.model = model
+        self.block_size = block_size
+        cfg = model.config
+        dtype = model.lm_head.weight.dtype
+        slots = num_blocks * block_size
+        # One [2, S, K, D] tensor per layer, allocated once: the pool a KV transport registers.
+        self.kv_caches = [
+            torch.zeros(2, slots, cfg.num_kv_heads, cfg.head_dim, dtype=dtype)
+            for _ in range(cfg.num_layers)
+        ]
+        for attn, cache in zip(model.attention_layers(), self.kv_caches, strict=True):
+            attn.kv_cache = cache
+
+    def _slots(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
+        """Cache slots of token positions [start, end) of `seq`."""
+        pos = torch.arange(start, end)
+        table = torch.tensor(seq.block_table, dtype=torch.long)
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def prepare(
+        self, out: SchedulerOutput
+    ) -> tuple[torch.Tensor, AttentionMetadata, list[Sequence]]:
+        input_ids: list[int] = []
+        positions: list[torch.Tensor] = []
+        slot_mapping: list[torch.Tensor] = []
+        prefills: list[PrefillSpan] = []
+        decode_index: list[int] = []
+        decode_seqs: list[Sequence] = []
+        logits_index: list[int] = []
+        sampling: list[Sequence] = []
+        t = 0
+        for item in out.scheduled:
+            seq, n = item.seq, item.num_new_tokens
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            input_ids.extend(seq.token_at(i) for i in range(start, end))
+            positions.append(torch.arange(start, end))
+            slot_mapping.append(self._slots(seq, start, end))
+            if n == 1:
+                decode_index.append(t)
+                decode_seqs.append(seq)
+            else:
+                ctx = self._slots(seq, 0, end) if start > 0 else torch.empty(0, dtype=torch.long)
+                prefills.append(PrefillSpan(t, t + n, end, ctx))
+            t += n
+            if item.samples:
+                logits_index.append(t - 1)
+                sampling.append(seq)
+        decode = None
+        if decode_seqs:
+            lens = [s.num_computed_tokens + 1 for s in decode_seqs]
+            longest = max(lens)
+            slots = torch.zeros(len(decode_seqs), longest, dtype=torch.long)
+            for row, (seq, n_ctx) in enumerate(zip(decode_seqs, lens, strict=True)):
+                slots[row, :n_ctx] = self._slots(seq, 0, n_ctx)
+            mask = torch.arange(longest)[None, :] < torch.tensor(lens)[:, None]  # [B, L]
+            decode = DecodeBatch(
+                torch.tensor(decode_index), slots, mask[:, None, None, :]
+            )
+        meta = AttentionMetadata(
+            positions=torch.cat(positions),
+            slot_mapping=torch.cat(slot_mapping),
+            prefills=tuple(prefills),
+            decode=decode,
+            logits_index=torch.tensor(logits_index, dtype=torch.long),
+        )
+        return torch.tensor(input_ids, dtype=torch.long), meta, sampling
+
+    @torch.inference_mode()
+    def run(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[Sequence]]:
+        """Compute the step; returns logits [N, V] of the sampling sequences, in order."""
+        input_ids, meta, sampling = self.prepare(out)
+        return self.model(input_ids, meta), sampling

@@ -1,0 +1,99 @@
+"""Token selection: penalties and bans, then greedy or temperature/top-k/top-p sampling.
+
+Log-probabilities are those of the distribution the token was drawn from (after penalties and
+temperature, before top-k/top-p truncation), as the TensorRT-LLM backend reports them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from python_backends.engine.sequence import SamplingParams, Sequence
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[float] | None  # one per token; None when no sequence asked for them
+
+
+def sample(seqs: list[Sequence], logits: torch.Tensor) -> SampleResult:
+    """Pick the next token of each sequence. logits: [N, V] float32, one row per sequence."""
+    if all(s.params.greedy and not s.params.needs_logits_processing for s in seqs):
+        tokens = logits.argmax(dim=-1)
+        logprobs = None
+        if any(s.params.return_log_probs for s in seqs):
+            lp = torch.log_softmax(logits, dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
+            logprobs = lp.tolist()
+        return SampleResult(tokens.tolist(), logprobs)
+    token_ids: list[int] = []
+    logprobs_out: list[float] = []
+    for seq, row in zip(seqs, logits, strict=True):
+        token, lp = _sample_one(seq, row)
+        token_ids.append(token)
+        logprobs_out.append(lp)
+    return SampleResult(token_ids, logprobs_out)
+
+
+def _sample_one(seq: Sequence, logits: torch.Tensor) -> tuple[int, float]:
+    p = seq.params
+    if p.needs_logits_processing:
+        logits = process_logits(seq, logits.clone())
+    if p.greedy:
+        token = int(logits.argmax())
+        return token, float(torch.log_softmax(logits, dim=-1)[token])
+    logits = logits / p.temperature
+    logprobs = torch.log_softmax(logits, dim=-1)
+    probs = _truncated_probs(logits, p)
+    token = int(torch.multinomial(probs, 1, generator=seq.generator))
+    return token, float(logprobs[token])
+
+
+def process_logits(seq: Sequence, logits: torch.Tensor) -> torch.Tensor:
+    """Apply penalties and bans to one row in place. logits: [V]."""
+    p = seq.params
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(seq.token_ids())), dtype=torch.long)
+        scores = logits[seen]
+        logits[seen] = torch.where(
+            scores < 0, scores * p.repetition_penalty, scores / p.repetition_penalty
+        )
+    if (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0) and seq.output_ids:
+        counts = torch.bincount(
+            torch.tensor(seq.output_ids, dtype=torch.long), minlength=logits.shape[0]
+        ).to(logits.dtype)
+        logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    banned = _banned_tokens(seq, p)
+    if banned:
+        logits[torch.tensor(banned, dtype=torch.long)] = float("-inf")
+    return logits
+
+
+def _banned_tokens(seq: Sequence, p: SamplingParams) -> list[int]:
+    banned: list[int] = []
+    if seq.num_output_tokens < p.min_tokens:
+        banned.extend(p.end_ids)
+    if p.bad_sequences:
+        ids = seq.token_ids()
+        for bad in p.bad_sequences:
+            prefix = list(bad[:-1])
+            if not prefix or ids[len(ids) - len(prefix) :] == prefix:
+                banned.append(bad[-1])
+    return banned
+
+
+def _truncated_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    if p.top_k > 0 and p.top_k < logits.shape[0]:
+        kth = torch.topk(logits, p.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if p.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        cumulative = sorted_probs.cumsum(0)
+        drop = cumulative - sorted_probs > p.top_p  # keep the smallest prefix reaching top_p
+        sorted_probs[drop] = 0.0
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        probs /= probs.sum()
+    return probs

@@ -1,0 +1,174 @@
+"""The engine's batch scheduler: which sequences compute how many tokens in the next step.
+
+Running sequences go first (their next token or next prompt chunk), then waiting ones are
+admitted while the step's token budget, the batch size and the free KV blocks allow. When a
+running sequence needs a block and none is free, the most recently admitted sequence is
+preempted by recompute: its blocks are freed and it returns to the front of the queue with its
+generated tokens, so it later resumes with the same output.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from python_backends.config import EngineLimits
+from python_backends.engine.block_manager import BlockManager
+from python_backends.engine.sampler import SampleResult
+from python_backends.engine.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class ScheduledSequence:
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step completes the sequence's known tokens, so its next one is drawn."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    scheduled: tuple[ScheduledSequence, ...]
+    preempted: tuple[Sequence, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class RequestTooLarge(ValueError):
+    pass
+
+
+class Scheduler:
+    def __init__(
+        self, limits: EngineLimits, blocks: BlockManager, enable_chunked_prefill: bool = True
+    ) -> None:
+        self.limits = limits
+        self.blocks = blocks
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        longest = min(self.limits.max_seq_len, seq.num_prompt_tokens + seq.params.max_tokens)
+        if self.blocks.blocks_for(longest) > self.blocks.num_blocks:
+            raise RequestTooLarge(
+                f"prompt plus max_tokens ({longest} tokens) needs more KV blocks than the engine "
+                f"has ({self.blocks.num_blocks} of {self.blocks.block_size} tokens)"
+            )
+        self.waiting.append(seq)
+
+    def abort(self, seq_id: str) -> Sequence | None:
+        """Finish a sequence wherever it is, freeing its blocks. Returns it if it was known."""
+        for queue in (self.waiting, self.running):
+            for seq in queue:
+                if seq.seq_id == seq_id:
+                    queue.remove(seq)
+                    self._finish(seq, FinishReason.CANCELLED)
+                    return seq
+        return None
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.limits.max_num_batched_tokens
+        scheduled: list[ScheduledSequence] = []
+        preempted: list[Sequence] = []
+        running: list[Sequence] = []
+        queue = deque(self.running)
+        while queue and budget > 0:
+            seq = queue.popleft()
+            n = min(seq.num_uncomputed_tokens, budget)
+            need = self._blocks_needed(seq, n)
+            while not self.blocks.can_allocate(need) and queue:
+                victim = queue.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+            if not self.blocks.can_allocate(need):
+                self._preempt(seq)
+                preempted.append(seq)
+                break
+            seq.block_table.extend(self.blocks.allocate(need))
+            scheduled.append(ScheduledSequence(seq, n))
+            running.append(seq)
+            budget -= n
+        running.extend(queue)  # budget ran out: they keep their place and run next step
+        if not preempted:
+            while self.waiting and budget > 0 and len(running) < self.limits.max_num_seqs:
+                seq = self.waiting[0]
+                n = min(seq.num_uncomputed_tokens, budget)
+                if n < seq.num_uncomputed_tokens and (scheduled and not self.enable_chunked_prefill):
+                    break
+                need = self._blocks_needed(seq, n)
+                if not self.blocks.can_allocate(need):
+                    break
+                self.waiting.popleft()
+                seq.block_table.extend(self.blocks.allocate(need))
+                seq.status = SequenceStatus.RUNNING
+                scheduled.append(ScheduledSequence(seq, n))
+                running.append(seq)
+                budget -= n
+        self.running = running
+        for victim in reversed(preempted):
+            self.waiting.appendleft(victim)
+        return SchedulerOutput(tuple(scheduled), tuple(preempted))
+
+    def update(self, out: SchedulerOutput, result: SampleResult) -> list[Sequence]:
+        """Advance computed counts and append sampled tokens (in `out` order of the sampling
+        sequences). Finished sequences release their blocks. Returns the sequences that got a
+        token this step."""
+        sampled: list[Sequence] = []
+        i = 0
+        for item in out.scheduled:
+            seq = item.seq
+            samples = item.samples
+            seq.num_computed_tokens += item.num_new_tokens
+            if not samples:
+                continue
+            seq.output_ids.append(result.token_ids[i])
+            if result.logprobs is not None:
+                seq.output_logprobs.append(result.logprobs[i])
+            i += 1
+            sampled.append(seq)
+            reason = stop_reason(seq, self.limits.max_seq_len)
+            if reason is not None:
+                self.running.remove(seq)
+                self._finish(seq, reason)
+        return sampled
+
+    def _blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        total = self.blocks.blocks_for(seq.num_computed_tokens + num_new_tokens)
+        return max(0, total - len(seq.block_table))
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.blocks.release(seq.block_table)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        self.blocks.release(seq.block_table)
+        seq.block_table = []
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+
+def stop_reason(seq: Sequence, max_seq_len: int) -> FinishReason | None:
+    """Why the sequence must stop after its latest token, if it must."""
+    p = seq.params
+    n = seq.num_output_tokens
+    if n >= p.min_tokens:
+        if seq.output_ids[-1] in p.end_ids:
+            return FinishReason.STOP
+        for stop in p.stop_sequences:
+            if len(stop) <= n and tuple(seq.output_ids[-len(stop) :]) == stop:
+                return FinishReason.STOP
+    if n >= p.max_tokens or seq.num_tokens >= max_seq_len:
+        return FinishReason.LENGTH
+    return None

