@@ -1,0 +1,3 @@
+from python_backends.serving.preprocessing import PreprocessingModel as TritonPythonModel
+
+__all__ = ["TritonPythonModel"]

@@ -1,0 +1,118 @@
+"""The continuous-batching loop: one thread stepping the engine; requests join and leave
+between steps. Free of Triton, so it is tested directly; `serving.worker` wires it to
+response senders."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from python_backends.engine.llm_engine import LLMEngine, TokenEvent
+from python_backends.engine.sequence import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Add:
+    seq_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class _Abort:
+    seq_id: str
+
+
+class EngineLoop:
+    """Owns the engine after `start()`: every other thread talks to it through `submit` and
+    `abort`, so the engine itself needs no locks.
+
+    Callbacks run on the loop thread: `on_tokens` after each step, `on_finished_early` when a
+    sequence ends without a token (cancelled, or refused with an error message).
+    """
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        on_tokens: Callable[[list[TokenEvent]], None],
+        on_finished_early: Callable[[str, str | None], None],
+        is_cancelled: Callable[[str], bool] = lambda _seq_id: False,
+        on_step: Callable[[LLMEngine], None] = lambda _engine: None,
+    ) -> None:
+        self.engine = engine
+        self._on_tokens = on_tokens
+        self._on_finished_early = on_finished_early
+        self._is_cancelled = is_cancelled
+        self._on_step = on_step
+        self._inbox: queue.Queue[_Add | _Abort | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._stopping = False
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        self._inbox.put(None)
+        self._thread.join(timeout)
+
+    def submit(self, seq_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        self._inbox.put(_Add(seq_id, prompt_ids, params))
+
+    def abort(self, seq_id: str) -> None:
+        self._inbox.put(_Abort(seq_id))
+
+    def _drain(self, block: bool) -> None:
+        try:
+            msg = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while msg is not None:
+            self._apply(msg)
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, msg: _Add | _Abort) -> None:
+        if isinstance(msg, _Add):
+            try:
+                self.engine.add_request(msg.seq_id, msg.prompt_ids, msg.params)
+            except ValueError as e:
+                self._on_finished_early(msg.seq_id, str(e))
+        elif self.engine.abort(msg.seq_id) is not None:
+            self._on_finished_early(msg.seq_id, None)
+
+    def _cancel_abandoned(self) -> None:
+        sched = self.engine.scheduler
+        for seq in [*sched.running, *sched.waiting]:
+            if self._is_cancelled(seq.seq_id):
+                self.engine.abort(seq.seq_id)
+                self._on_finished_early(seq.seq_id, None)
+
+    def _run(self) -> None:
+        while not self._stopping:
+            self._drain(block=not self.engine.has_unfinished)
+            if self._stopping:
+                break
+            self._cancel_abandoned()
+            if not self.engine.has_unfinished:
+                self._on_step(self.engine)
+                continue
+            try:
+                events = self.engine.step()
+            except Exception:  # a bug must not wedge every request: fail them all, keep serving
+                log.exception("engine step failed; aborting all sequences")
+                sched = self.engine.scheduler
+                for seq in [*sched.running, *sched.waiting]:
+                    self.engine.abort(seq.seq_id)
+                    self._on_finished_early(seq.seq_id, "internal engine error")
+                events = []
+            if events:
+                self._on_tokens(events)
+            self._on_step(self.engine)

@@ -1,0 +1,254 @@
+"""Start, watch and stop the real Triton Inference Server shipped in the nvidia-pytriton wheel.
+
+Used by scripts/serve.sh (as `python -m python_backends.launcher`), the end-to-end tests and the
+benchmarks, so every path starts the server the same way. The environment traps it handles are
+described in PLATFORM.md: the Python stub must sit in the backend directory, runs the virtual
+environment of the first `python3` on PATH, and must link this interpreter's own libpython.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+SHM_DIR = Path("/dev/shm")
+
+
+class ServerError(RuntimeError):
+    pass
+
+
+def pytriton_dir() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or spec.origin is None:
+        raise ServerError("nvidia-pytriton is not installed (it ships the tritonserver binary)")
+    return Path(spec.origin).parent / "tritonserver"
+
+
+def prepare_backend_dir() -> Path:
+    """Put the Python stub for this interpreter next to the Python backend; returns the
+    backend directory to pass as --backend-directory."""
+    root = pytriton_dir()
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = root / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not stub.is_file():
+        raise ServerError(f"no Triton Python stub for Python {version} in {stub.parent.parent}")
+    target = root / "backends" / "python" / stub.name
+    if not target.is_file() or target.stat().st_size != stub.stat().st_size:
+        shutil.copy2(stub, target)
+    return root / "backends"
+
+
+def server_env(engine_dir: Path | None) -> dict[str, str]:
+    env = dict(os.environ)
+    venv_bin = str(Path(sys.executable).parent)
+    env["PATH"] = venv_bin + os.pathsep + env.get("PATH", "")
+    libdir = sysconfig.get_config_var("LIBDIR") or ""
+    libs = str(pytriton_dir().parent.parent / "nvidia_pytriton.libs")
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(
+        p for p in (libdir, libs, env.get("LD_LIBRARY_PATH", "")) if p
+    )
+    if engine_dir is not None:
+        env["LLM_ENGINE_DIR"] = str(engine_dir.resolve())
+    return env
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    model_repository: Path = PROJECT_ROOT / "model_repository"
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    engine_dir: Path | None = None
+    log_file: Path | None = None  # None: inherit stdout/stderr
+    exit_timeout_s: int = 15
+    extra_args: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.host}:{self.http_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.host}:{self.metrics_port}/metrics"
+
+
+class TritonServer:
+    def __init__(self, options: ServerOptions) -> None:
+        self.options = options
+        self.process: subprocess.Popen[bytes] | None = None
+        self._shm_before: set[str] = set()
+
+    def command(self) -> list[str]:
+        o = self.options
+        return [
+            str(pytriton_dir() / "bin" / "tritonserver"),
+            f"--model-repository={o.model_repository}",
+            f"--backend-directory={prepare_backend_dir()}",
+            f"--cache-directory={pytriton_dir() / 'caches'}",
+            f"--http-address={o.host}", f"--http-port={o.http_port}",
+            f"--grpc-address={o.host}", f"--grpc-port={o.grpc_port}",
+            f"--metrics-address={o.host}", f"--metrics-port={o.metrics_port}",
+            "--allow-metrics=true", "--allow-gpu-metrics=false",
+            f"--exit-timeout-secs={o.exit_timeout_s}",
+            "--backend-config=python,shm-default-byte-size=4194304",
+            "--backend-config=python,shm-growth-byte-size=4194304",
+            *o.extra_args,
+        ]
+
+    def start(self) -> None:
+        self._shm_before = set(os.listdir(SHM_DIR))
+        out = open(self.options.log_file, "ab") if self.options.log_file else None  # noqa: SIM115
+        self.process = subprocess.Popen(
+            self.command(), env=server_env(self.options.engine_dir),
+            stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True,
+        )
+
+    def is_ready(self) -> bool:
+        try:
+            url = f"{self.options.http_url}/v2/health/ready"
+            with urllib.request.urlopen(url, timeout=2) as r:
+                return bool(r.status == 200)
+        except OSError:
+            return False
+
+    def wait_ready(self, timeout_s: float = 300.0, progress: bool = False) -> None:
+        deadline = time.monotonic() + timeout_s
+        last_note = time.monotonic()
+        while time.monotonic() < deadline:
+            if self.process is not None and self.process.poll() is not None:
+                raise ServerError(f"tritonserver exited with code {self.process.returncode}")
+            if self.is_ready():
+                return
+            if progress and time.monotonic() - last_note > 10:
+                print("[serve] waiting for the models to load ...", flush=True)
+                last_note = time.monotonic()
+            time.sleep(0.5)
+        raise ServerError(f"server not ready after {timeout_s:.0f}s")
+
+    def stop(self) -> None:
+        """SIGTERM, wait for Triton to unload the models (it stops the stubs), then make sure
+        no process of the group and no shared-memory region of this server is left behind."""
+        p = self.process
+        if p is not None and p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+            try:
+                p.wait(self.options.exit_timeout_s + 15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        if p is not None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)  # orphaned stubs, if any
+            except ProcessLookupError:
+                pass
+        self.process = None
+        remove_orphan_shm(set(os.listdir(SHM_DIR)) - self._shm_before)
+
+    def __enter__(self) -> TritonServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _mapped_paths() -> set[str]:
+    mapped: set[str] = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                mapped.update(line.split(maxsplit=5)[-1].strip() for line in f if "/dev/shm/" in line)
+        except OSError:
+            continue
+    return mapped
+
+
+def remove_orphan_shm(names: set[str]) -> None:
+    """Remove Triton regions created during this server's life that no process maps any more."""
+    candidates = [n for n in names if n.startswith("triton")]
+    if not candidates:
+        return
+    mapped = _mapped_paths()
+    for name in candidates:
+        path = SHM_DIR / name
+        if str(path) not in mapped:
+            path.unlink(missing_ok=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Serve the model repository with Triton.")
+    ap.add_argument("--host", default=os.environ.get("LLM_HOST", "127.0.0.1"))
+    ap.add_argument("--http-port", type=int, default=int(os.environ.get("LLM_HTTP_PORT", 8000)))
+    ap.add_argument("--grpc-port", type=int, default=int(os.environ.get("LLM_GRPC_PORT", 8001)))
+    ap.add_argument("--metrics-port", type=int,
+                    default=int(os.environ.get("LLM_METRICS_PORT", 8002)))
+    ap.add_argument("--engine", type=Path, default=None, help="engine directory")
+    ap.add_argument("--model-repository", type=Path, default=PROJECT_ROOT / "model_repository")
+    ap.add_argument("extra", nargs="*", help="extra tritonserver arguments (after --)")
+    args = ap.parse_args(argv)
+    opts = ServerOptions(
+        model_repository=args.model_repository, host=args.host, http_port=args.http_port,
+        grpc_port=args.grpc_port, metrics_port=args.metrics_port, engine_dir=args.engine,
+        extra_args=tuple(args.extra),
+    )
+    server = TritonServer(opts)
+    stopping = False
+
+    def on_signal(signum: int, _frame: object) -> None:
+        nonlocal stopping
+        if not stopping:
+            stopping = True
+            print(f"\n[serve] {signal.Signals(signum).name}: stopping the server ...", flush=True)
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        server.start()
+        server.wait_ready(progress=True)
+        print(_banner(opts), flush=True)
+        assert server.process is not None
+        code = server.process.wait()
+        print(f"[serve] tritonserver exited with code {code}", flush=True)
+        return code
+    except KeyboardInterrupt:
+        return 0
+    except ServerError as e:
+        print(f"[serve] error: {e}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        server.stop()
+        print("[serve] stopped", flush=True)
+
+
+def _banner(o: ServerOptions) -> str:
+    return f"""
+[serve] ready
+  HTTP     {o.http_url}   (/v2/models/ensemble/generate, /generate_stream)
+  gRPC     {o.host}:{o.grpc_port}
+  metrics  {o.metrics_url}
+  try:
+    curl -s -X POST {o.http_url}/v2/models/ensemble/generate \\
+      -d '{{"text_input": "The capital of France is", "max_tokens": 16}}'
+  Ctrl-C stops the server.
+"""
+
+
+if __name__ == "__main__":
+    sys.exit(main())

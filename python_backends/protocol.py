@@ -1,0 +1,203 @@
+"""The client-facing request: ensemble inputs (TensorRT-LLM backend names) parsed and validated
+at the edge into a `GenerationRequest`, with errors that name the offending field.
+
+Inputs arrive as numpy arrays with a leading batch dimension of 1 (the ensemble batches like the
+TensorRT-LLM one, so existing clients send the shapes they already send).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from python_backends.config import EngineLimits
+from python_backends.engine.sequence import SamplingParams
+
+DEFAULT_MAX_TOKENS = 64
+
+
+class InvalidRequest(ValueError):
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"invalid input '{field}': {message}")
+        self.field = field
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt_ids: list[int]
+    params: SamplingParams
+    stream: bool = False
+    exclude_input_in_output: bool = False
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> GenerationRequest:
+        d = json.loads(text)
+        p = d["params"]
+        p["end_ids"] = tuple(p["end_ids"])
+        p["stop_sequences"] = tuple(tuple(s) for s in p["stop_sequences"])
+        p["bad_sequences"] = tuple(tuple(s) for s in p["bad_sequences"])
+        return cls(
+            prompt_ids=list(d["prompt_ids"]),
+            params=SamplingParams(**p),
+            stream=d["stream"],
+            exclude_input_in_output=d["exclude_input_in_output"],
+        )
+
+
+# Optional scalar inputs: name -> kind. Kinds decide the accepted numpy dtypes.
+_INT, _FLOAT, _BOOL = "int", "float", "bool"
+SCALAR_INPUTS: dict[str, str] = {
+    "max_tokens": _INT,
+    "stream": _BOOL,
+    "temperature": _FLOAT,
+    "top_k": _INT,
+    "top_p": _FLOAT,
+    "seed": _INT,
+    "end_id": _INT,
+    "pad_id": _INT,
+    "min_tokens": _INT,
+    "min_length": _INT,  # genai-perf's name for min_tokens
+    "repetition_penalty": _FLOAT,
+    "presence_penalty": _FLOAT,
+    "frequency_penalty": _FLOAT,
+    "exclude_input_in_output": _BOOL,
+    "return_log_probs": _BOOL,
+}
+WORD_LIST_INPUTS = ("stop_words", "bad_words")
+KNOWN_INPUTS = frozenset(("text_input", *SCALAR_INPUTS, *WORD_LIST_INPUTS))
+
+# (text, add_special_tokens) -> token ids
+Tokenize = Callable[[str, bool], list[int]]
+
+
+def _scalar(name: str, kind: str, arr: np.ndarray) -> Any:
+    if arr.size != 1:
+        raise InvalidRequest(name, f"expected one value, got {arr.size}")
+    value = arr.reshape(-1)[0]
+    if kind == _BOOL:
+        if arr.dtype != np.bool_:
+            raise InvalidRequest(name, f"expected BOOL, got {arr.dtype}")
+        return bool(value)
+    if kind == _INT:
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise InvalidRequest(name, f"expected an integer type, got {arr.dtype}")
+        return int(value)
+    if not np.issubdtype(arr.dtype, np.floating):
+        raise InvalidRequest(name, f"expected a floating-point type, got {arr.dtype}")
+    f = float(value)
+    if not math.isfinite(f):
+        raise InvalidRequest(name, f"must be finite, got {f}")
+    return f
+
+
+def _text(name: str, value: Any) -> str:
+    if not isinstance(value, bytes | np.bytes_ | str):
+        raise InvalidRequest(name, f"expected BYTES (a UTF-8 string), got {type(value).__name__}")
+    if isinstance(value, str):
+        return value
+    try:
+        return bytes(value).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InvalidRequest(name, f"is not valid UTF-8 ({e.reason} at byte {e.start})") from None
+
+
+def parse_request(
+    inputs: Mapping[str, np.ndarray],
+    tokenize: Tokenize,
+    limits: EngineLimits,
+    eos_ids: tuple[int, ...],
+) -> GenerationRequest:
+    """Validate ensemble inputs and tokenize the prompt and word lists."""
+    unknown = sorted(set(inputs) - KNOWN_INPUTS)
+    if unknown:
+        raise InvalidRequest(unknown[0], f"unknown input; known inputs: {sorted(KNOWN_INPUTS)}")
+    if "text_input" not in inputs:
+        raise InvalidRequest("text_input", "is required")
+    text_arr = inputs["text_input"]
+    if text_arr.dtype != np.object_ and text_arr.dtype.kind not in "SU":
+        raise InvalidRequest("text_input", f"expected BYTES, got {text_arr.dtype}")
+    if text_arr.size != 1:
+        raise InvalidRequest("text_input", f"expected one prompt per request, got {text_arr.size}")
+    text = _text("text_input", text_arr.reshape(-1)[0])
+    if not text:
+        raise InvalidRequest("text_input", "must not be empty")
+
+    v = {name: _scalar(name, kind, inputs[name])
+         for name, kind in SCALAR_INPUTS.items() if name in inputs}
+
+    max_tokens = v.get("max_tokens", DEFAULT_MAX_TOKENS)
+    if max_tokens <= 0:
+        raise InvalidRequest("max_tokens", f"must be at least 1, got {max_tokens}")
+    if max_tokens >= limits.max_seq_len:
+        raise InvalidRequest(
+            "max_tokens", f"{max_tokens} exceeds the engine limit ({limits.max_seq_len - 1})"
+        )
+    temperature = v.get("temperature", 0.0)
+    if temperature < 0:
+        raise InvalidRequest("temperature", f"must be >= 0, got {temperature}")
+    top_p = v.get("top_p", 1.0)
+    if not 0.0 < top_p <= 1.0:
+        raise InvalidRequest("top_p", f"must be in (0, 1], got {top_p}")
+    top_k = v.get("top_k", 0)
+    if top_k < 0:
+        raise InvalidRequest("top_k", f"must be >= 0, got {top_k}")
+    seed = v.get("seed")
+    if seed is not None and seed < 0:
+        raise InvalidRequest("seed", f"must be >= 0, got {seed}")
+    repetition_penalty = v.get("repetition_penalty", 1.0)
+    if repetition_penalty <= 0:
+        raise InvalidRequest("repetition_penalty", f"must be > 0, got {repetition_penalty}")
+    if "min_tokens" in v and "min_length" in v and v["min_tokens"] != v["min_length"]:
+        raise InvalidRequest("min_length", "is an alias of min_tokens; they disagree")
+    min_tokens = v.get("min_tokens", v.get("min_length", 0))
+    if not 0 <= min_tokens <= max_tokens:
+        raise InvalidRequest("min_tokens", f"must be in [0, max_tokens], got {min_tokens}")
+    end_ids = (v["end_id"],) if "end_id" in v else eos_ids
+
+    prompt_ids = tokenize(text, True)
+    if not prompt_ids:
+        raise InvalidRequest("text_input", "tokenizes to no tokens")
+    if len(prompt_ids) + max_tokens > limits.max_seq_len:
+        raise InvalidRequest(
+            "text_input",
+            f"prompt of {len(prompt_ids)} tokens plus max_tokens {max_tokens} exceeds the "
+            f"context length ({limits.max_seq_len} tokens)",
+        )
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        repetition_penalty=repetition_penalty,
+        presence_penalty=v.get("presence_penalty", 0.0),
+        frequency_penalty=v.get("frequency_penalty", 0.0),
+        min_tokens=min_tokens,
+        end_ids=end_ids,
+        stop_sequences=_word_list(inputs, "stop_words", tokenize),
+        bad_sequences=_word_list(inputs, "bad_words", tokenize),
+        return_log_probs=v.get("return_log_probs", False),
+    )
+    return GenerationRequest(
+        prompt_ids=prompt_ids,
+        params=params,
+        stream=v.get("stream", False),
+        exclude_input_in_output=v.get("exclude_input_in_output", False),
+    )
+
+
+def _word_list(
+    inputs: Mapping[str, np.ndarray], name: str, tokenize: Tokenize
+) -> tuple[tuple[int, ...], ...]:
+    if name not in inputs:
+        return ()
+    words = [_text(name, w) for w in inputs[name].reshape(-1)]
+    return tuple(tuple(ids) for w in words if w and (ids := tokenize(w, False)))

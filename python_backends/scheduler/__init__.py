@@ -1,0 +1,1 @@
+"""The global front: admission, routing and per-request streaming state."""

@@ -1,0 +1,87 @@
+"""Per-request output state in the scheduler: turns engine token events into client chunks.
+
+Each chunk carries what stateless postprocessing needs: a window of token ids whose first
+`prefix_len` are context (see python_backends.detokenizer), plus counts and log-probs.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from python_backends.detokenizer import STREAM_CONTEXT_TOKENS
+
+
+@dataclass(frozen=True)
+class Chunk:
+    tokens: list[int]
+    prefix_len: int
+    finish_reason: str  # "" until the last chunk
+    num_input_tokens: int
+    num_output_tokens: int
+    cum_log_prob: float
+    output_log_probs: list[float]
+
+
+@dataclass
+class RequestStream:
+    prompt_ids: list[int]
+    stream: bool
+    exclude_input_in_output: bool
+    return_log_probs: bool
+    arrival: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finish_reason: str = ""
+
+    def add(self, token_ids: list[int], logprobs: list[float], finish_reason: str) -> Chunk | None:
+        """Record one engine response; returns the chunk to send now, if any."""
+        now = time.monotonic()
+        if token_ids and self.first_token_time is None:
+            self.first_token_time = now
+        if token_ids:
+            self.last_token_time = now
+        start = len(self.output_ids)
+        self.output_ids.extend(token_ids)
+        self.logprobs.extend(logprobs)
+        self.finish_reason = finish_reason
+        if self.stream:
+            if not token_ids and not finish_reason:
+                return None
+            lo = max(0, start - STREAM_CONTEXT_TOKENS)
+            return self._chunk(self.output_ids[lo:], start - lo, self.logprobs[start:])
+        if not finish_reason:
+            return None
+        return self.final_chunk()
+
+    def final_chunk(self) -> Chunk:
+        """The whole answer in one chunk (non-streaming requests)."""
+        tokens = self.output_ids if self.exclude_input_in_output else (
+            self.prompt_ids + self.output_ids
+        )
+        return self._chunk(list(tokens), 0, self.logprobs)
+
+    def _chunk(self, tokens: list[int], prefix_len: int, logprobs: list[float]) -> Chunk:
+        return Chunk(
+            tokens=tokens,
+            prefix_len=prefix_len,
+            finish_reason=self.finish_reason,
+            num_input_tokens=len(self.prompt_ids),
+            num_output_tokens=len(self.output_ids),
+            cum_log_prob=float(sum(self.logprobs)),
+            output_log_probs=list(logprobs) if self.return_log_probs else [],
+        )
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first."""
+        n = len(self.output_ids)
+        if n < 2 or self.first_token_time is None or self.last_token_time is None:
+            return None
+        return (self.last_token_time - self.first_token_time) / (n - 1)

@@ -1,0 +1,63 @@
+"""Helpers shared by the models: tensors, errors, parameters, engine location."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_ENGINE_DIR = PROJECT_ROOT / "engines" / "smollm2"
+ENGINE_DIR_ENV = "LLM_ENGINE_DIR"
+
+
+class ModelArgs:
+    """The `args` Triton passes to `initialize`, with typed access to config parameters."""
+
+    def __init__(self, args: dict[str, str]) -> None:
+        self.model_name = args["model_name"]
+        self.instance_name = args.get("model_instance_name", self.model_name)
+        self.config: dict[str, Any] = json.loads(args["model_config"])
+
+    def param(self, key: str, default: str = "") -> str:
+        value = self.config.get("parameters", {}).get(key, {}).get("string_value", "")
+        return value or default
+
+    def int_param(self, key: str, default: int) -> int:
+        value = self.param(key)
+        try:
+            return int(value) if value else default
+        except ValueError:
+            raise pb_utils.TritonModelException(
+                f"{self.model_name}: parameter {key} must be an integer, got {value!r}"
+            ) from None
+
+    def engine_dir(self) -> Path:
+        """Engine directory: the model's `engine_dir` parameter, else $LLM_ENGINE_DIR, else the
+        default engine that scripts/serve.sh builds."""
+        return Path(self.param("engine_dir") or os.environ.get(ENGINE_DIR_ENV) or DEFAULT_ENGINE_DIR)
+
+
+def inputs_of(request: Any) -> dict[str, np.ndarray]:
+    return {t.name(): t.as_numpy() for t in request.inputs()}
+
+
+def tensor(name: str, array: np.ndarray) -> Any:
+    return pb_utils.Tensor(name, array)
+
+
+def bytes_tensor(name: str, values: list[str | bytes], batch: bool = True) -> Any:
+    arr = np.array([v.encode() if isinstance(v, str) else v for v in values], dtype=np.object_)
+    return pb_utils.Tensor(name, arr[None, :] if batch else arr)
+
+
+def error_response(message: str, code: Any = None) -> Any:
+    code = pb_utils.TritonError.INVALID_ARG if code is None else code
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
+
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL

@@ -1,0 +1,76 @@
+"""Custom metrics on Triton's metrics port (pb_utils.MetricFamily), Prometheus-named.
+
+Labels identify the model and instance, never the request.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import triton_python_backend_utils as pb_utils
+
+from python_backends.engine.llm_engine import EngineStats
+
+LATENCY_BUCKETS = [
+    0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
+    20.0, 40.0,
+]
+
+
+class EngineMetrics:
+    """KV-cache and batch gauges of one engine instance."""
+
+    def __init__(self, model: str, instance: str) -> None:
+        labels = {"model": model, "instance": instance}
+        g = pb_utils.MetricFamily.GAUGE
+        self.blocks_used = _metric("llm_kv_cache_blocks_used", "KV-cache blocks in use", g, labels)
+        self.blocks_total = _metric(
+            "llm_kv_cache_blocks_total", "KV-cache blocks in the pool", g, labels
+        )
+        self.usage = _metric(
+            "llm_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use (0-1)", g, labels
+        )
+        self.running = _metric(
+            "llm_num_requests_running", "Sequences in the running batch", g, labels
+        )
+        self.waiting = _metric(
+            "llm_num_requests_waiting", "Sequences waiting for admission", g, labels
+        )
+
+    def publish(self, stats: EngineStats) -> None:
+        self.blocks_used.set(stats.kv_blocks_used)
+        self.blocks_total.set(stats.kv_blocks_total)
+        self.usage.set(stats.kv_blocks_used / stats.kv_blocks_total)
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+
+
+class RequestMetrics:
+    """Client-visible latencies, observed in the scheduler."""
+
+    def __init__(self, model: str) -> None:
+        labels = {"model": model}
+        h = pb_utils.MetricFamily.HISTOGRAM
+        self.ttft = _metric(
+            "llm_time_to_first_token_seconds", "Time from arrival to first token", h, labels,
+            LATENCY_BUCKETS,
+        )
+        self.tpot = _metric(
+            "llm_time_per_output_token_seconds",
+            "Mean time per output token after the first, per request", h, labels,
+            LATENCY_BUCKETS,
+        )
+
+
+_families: dict[str, Any] = {}
+
+
+def _metric(
+    name: str, doc: str, kind: Any, labels: dict[str, str], buckets: list[float] | None = None
+) -> Any:
+    family = _families.get(name)
+    if family is None:
+        family = _families[name] = pb_utils.MetricFamily(name=name, description=doc, kind=kind)
+    if buckets is not None:
+        return family.Metric(labels=labels, buckets=buckets)
+    return family.Metric(labels=labels)

@@ -1,0 +1,40 @@
+"""`postprocessing`: token-id windows to text (stateless; see python_backends.detokenizer)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+from transformers import AutoTokenizer
+
+from python_backends.detokenizer import incremental_text
+from python_backends.serving.common import ModelArgs, bytes_tensor, inputs_of, tensor
+
+PASS_THROUGH = {
+    "NUM_INPUT_TOKENS": "num_input_tokens",
+    "NUM_OUTPUT_TOKENS": "num_output_tokens",
+    "CUM_LOG_PROBS": "cum_log_probs",
+    "OUTPUT_LOG_PROBS": "output_log_probs",
+}
+
+
+class PostprocessingModel:
+    def initialize(self, args: dict[str, str]) -> None:
+        self.tokenizer = AutoTokenizer.from_pretrained(str(ModelArgs(args).engine_dir()))
+
+    def execute(self, requests: list[Any]) -> list[Any]:
+        responses = []
+        for request in requests:
+            inputs = inputs_of(request)
+            tokens = inputs["TOKENS"].reshape(-1).tolist()
+            prefix_len = int(inputs["PREFIX_LEN"].reshape(-1)[0])
+            text = incremental_text(self.tokenizer, tokens, prefix_len)
+            outputs = [
+                bytes_tensor("text_output", [text]),
+                bytes_tensor("finish_reason", [bytes(inputs["FINISH_REASON"].reshape(-1)[0])]),
+            ]
+            outputs += [tensor(out, np.ascontiguousarray(inputs[name]))
+                        for name, out in PASS_THROUGH.items()]
+            responses.append(pb_utils.InferenceResponse(outputs))
+        return responses

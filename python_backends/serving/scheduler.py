@@ -1,0 +1,135 @@
+"""`scheduler`: the decoupled BLS front of every request.
+
+It forwards the tokenized request to an engine model, turns the engine's per-step responses
+into client chunks (one per token when streaming, one in all otherwise) and watches for client
+cancellation, which it relays to the engine through the cancel board.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from python_backends.cancel_board import CancelBoard
+from python_backends.protocol import GenerationRequest
+from python_backends.scheduler.stream import Chunk, RequestStream
+from python_backends.serving.common import (
+    FINAL,
+    ModelArgs,
+    bytes_tensor,
+    error_response,
+    inputs_of,
+    tensor,
+)
+from python_backends.serving.metrics import RequestMetrics
+
+log = logging.getLogger(__name__)
+ENGINE_OUTPUTS = [
+    "OUTPUT_IDS", "OUTPUT_LOG_PROBS", "FINISH_REASON", "NUM_INPUT_TOKENS", "NUM_OUTPUT_TOKENS",
+]
+
+
+def chunk_response(chunk: Chunk) -> Any:
+    return pb_utils.InferenceResponse([
+        tensor("TOKENS", np.array([chunk.tokens], dtype=np.int32)),
+        tensor("PREFIX_LEN", np.array([[chunk.prefix_len]], dtype=np.int32)),
+        bytes_tensor("FINISH_REASON", [chunk.finish_reason]),
+        tensor("NUM_INPUT_TOKENS", np.array([[chunk.num_input_tokens]], dtype=np.int32)),
+        tensor("NUM_OUTPUT_TOKENS", np.array([[chunk.num_output_tokens]], dtype=np.int32)),
+        tensor("CUM_LOG_PROBS", np.array([[chunk.cum_log_prob]], dtype=np.float32)),
+        tensor("OUTPUT_LOG_PROBS", np.array([chunk.output_log_probs], dtype=np.float32)),
+    ])
+
+
+def _first(response: Any, name: str) -> np.ndarray:
+    return pb_utils.get_output_tensor_by_name(response, name).as_numpy()
+
+
+class SchedulerModel:
+    def initialize(self, args: dict[str, str]) -> None:
+        margs = ModelArgs(args)
+        self.worker_model = margs.param("worker_model", "worker")
+        self.board = CancelBoard.create()
+        self.metrics = RequestMetrics(margs.model_name)
+        self.pool = ThreadPoolExecutor(
+            max_workers=margs.int_param("max_concurrent_requests", 1024),
+            thread_name_prefix="request",
+        )
+        self._closing = threading.Event()
+
+    def execute(self, requests: list[Any]) -> None:
+        for request in requests:
+            self.pool.submit(self._serve, request)
+        return None
+
+    def _serve(self, request: Any) -> None:
+        sender = request.get_response_sender()
+        try:
+            self._serve_one(request, sender)
+        except Exception as e:
+            log.exception("request failed")
+            sender.send(error_response(f"scheduler: {e}", pb_utils.TritonError.INTERNAL),
+                        flags=FINAL)
+
+    def _serve_one(self, request: Any, sender: Any) -> None:
+        inputs = inputs_of(request)
+        request_json = bytes(inputs["REQUEST"].reshape(-1)[0])
+        req = GenerationRequest.from_json(request_json)
+        state = RequestStream(
+            req.prompt_ids, req.stream, req.exclude_input_in_output, req.params.return_log_probs
+        )
+        slot = self.board.acquire()
+        engine_inputs = [
+            tensor("INPUT_IDS", np.array(req.prompt_ids, dtype=np.int32)),
+            bytes_tensor("REQUEST", [request_json], batch=False),
+        ]
+        if slot is not None:
+            engine_inputs += [
+                bytes_tensor("CANCEL_BOARD", [self.board.name], batch=False),
+                tensor("CANCEL_SLOT", np.array([slot], dtype=np.int32)),
+            ]
+        cancelled = False
+        try:
+            bls = pb_utils.InferenceRequest(
+                model_name=self.worker_model,
+                inputs=engine_inputs,
+                requested_output_names=ENGINE_OUTPUTS,
+            )
+            for response in bls.exec(decoupled=True):
+                if response.has_error():
+                    sender.send(error_response(response.error().message(),
+                                               pb_utils.TritonError.INTERNAL), flags=FINAL)
+                    return
+                if not cancelled and sender.is_cancelled():
+                    cancelled = True
+                    if slot is not None:
+                        self.board.cancel(slot)
+                if cancelled or not response.output_tensors():
+                    continue  # drain until the engine's final response
+                chunk = state.add(
+                    _first(response, "OUTPUT_IDS").tolist(),
+                    _first(response, "OUTPUT_LOG_PROBS").tolist(),
+                    bytes(_first(response, "FINISH_REASON")[0]).decode(),
+                )
+                if chunk is not None:
+                    flags = FINAL if chunk.finish_reason else 0
+                    sender.send(chunk_response(chunk), flags=flags)
+        finally:
+            if slot is not None:
+                self.board.release(slot)
+        if cancelled or not state.finish_reason:
+            sender.send(flags=FINAL)  # the client went away or the engine ended without a chunk
+            return
+        if state.ttft is not None:
+            self.metrics.ttft.observe(state.ttft)
+        if state.tpot is not None:
+            self.metrics.tpot.observe(state.tpot)
+
+    def finalize(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.board.close()

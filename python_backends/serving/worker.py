@@ -1,0 +1,142 @@
+"""`worker`: an aggregated engine instance (decoupled). Requests join the continuous batch;
+every step sends each sequence's new token back to the caller (the scheduler, over BLS)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from python_backends.cancel_board import CancelBoard
+from python_backends.engine.engine_loop import EngineLoop
+from python_backends.engine.llm_engine import LLMEngine, TokenEvent
+from python_backends.protocol import GenerationRequest
+from python_backends.serving.common import (
+    FINAL,
+    ModelArgs,
+    bytes_tensor,
+    error_response,
+    inputs_of,
+    tensor,
+)
+from python_backends.serving.metrics import EngineMetrics
+
+log = logging.getLogger(__name__)
+METRICS_INTERVAL_S = 0.05
+
+
+@dataclass
+class _Pending:
+    sender: Any
+    num_prompt_tokens: int
+    board: CancelBoard | None
+    slot: int | None
+
+    def is_cancelled(self) -> bool:
+        if self.board is not None and self.slot is not None:
+            return self.board.is_cancelled(self.slot)
+        return bool(self.sender.is_cancelled())
+
+
+def engine_response(
+    token_ids: list[int], logprobs: list[float], finish_reason: str,
+    num_input_tokens: int, num_output_tokens: int,
+) -> Any:
+    return pb_utils.InferenceResponse([
+        tensor("OUTPUT_IDS", np.array(token_ids, dtype=np.int32)),
+        tensor("OUTPUT_LOG_PROBS", np.array(logprobs, dtype=np.float32)),
+        bytes_tensor("FINISH_REASON", [finish_reason], batch=False),
+        tensor("NUM_INPUT_TOKENS", np.array([num_input_tokens], dtype=np.int32)),
+        tensor("NUM_OUTPUT_TOKENS", np.array([num_output_tokens], dtype=np.int32)),
+    ])
+
+
+class WorkerModel:
+    def initialize(self, args: dict[str, str]) -> None:
+        margs = ModelArgs(args)
+        engine = LLMEngine.from_engine_dir(
+            margs.engine_dir(),
+            num_kv_blocks=margs.int_param("kv_cache_blocks", 1024),
+            enable_chunked_prefill=margs.param("enable_chunked_prefill", "true") == "true",
+        )
+        self.metrics = EngineMetrics(margs.model_name, margs.instance_name)
+        self._pending: dict[str, _Pending] = {}
+        self._boards: dict[str, CancelBoard] = {}
+        self._lock = threading.Lock()
+        self._last_publish = 0.0
+        self.loop = EngineLoop(
+            engine,
+            on_tokens=self._on_tokens,
+            on_finished_early=self._on_finished_early,
+            is_cancelled=lambda seq_id: self._pending[seq_id].is_cancelled(),
+            on_step=self._on_step,
+        )
+        self.metrics.publish(engine.stats())
+        self.loop.start()
+
+    def _board(self, name: str) -> CancelBoard:
+        with self._lock:
+            board = self._boards.get(name)
+            if board is None:
+                board = self._boards[name] = CancelBoard.attach(name)
+            return board
+
+    def execute(self, requests: list[Any]) -> None:
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                inputs = inputs_of(request)
+                req = GenerationRequest.from_json(bytes(inputs["REQUEST"].reshape(-1)[0]))
+                board = slot = None
+                if "CANCEL_BOARD" in inputs:
+                    board = self._board(bytes(inputs["CANCEL_BOARD"].reshape(-1)[0]).decode())
+                    slot = int(inputs["CANCEL_SLOT"].reshape(-1)[0])
+            except Exception as e:  # malformed internal request: answer it, keep serving
+                sender.send(error_response(f"worker: bad request: {e}"), flags=FINAL)
+                continue
+            seq_id = uuid.uuid4().hex
+            self._pending[seq_id] = _Pending(sender, len(req.prompt_ids), board, slot)
+            self.loop.submit(seq_id, req.prompt_ids, req.params)
+        return None
+
+    def _on_tokens(self, events: list[TokenEvent]) -> None:
+        for ev in events:
+            pending = self._pending[ev.seq_id]
+            reason = ev.finish_reason.value if ev.finish_reason else ""
+            response = engine_response(
+                [ev.token_id], [ev.logprob or 0.0], reason,
+                ev.num_prompt_tokens, ev.num_output_tokens,
+            )
+            if ev.finish_reason is None:
+                pending.sender.send(response)
+            else:
+                del self._pending[ev.seq_id]
+                pending.sender.send(response, flags=FINAL)
+
+    def _on_finished_early(self, seq_id: str, error: str | None) -> None:
+        pending = self._pending.pop(seq_id)
+        if error is not None:
+            pending.sender.send(error_response(error), flags=FINAL)
+        else:
+            pending.sender.send(
+                engine_response([], [], "cancelled", pending.num_prompt_tokens, 0), flags=FINAL
+            )
+
+    def _on_step(self, engine: LLMEngine) -> None:
+        now = time.monotonic()
+        if now - self._last_publish >= METRICS_INTERVAL_S or not engine.has_unfinished:
+            self._last_publish = now
+            self.metrics.publish(engine.stats())
+
+    def finalize(self) -> None:
+        self.loop.stop()
+        for seq_id in list(self._pending):
+            self._on_finished_early(seq_id, "server shutting down")
+        for board in self._boards.values():
+            board.close()

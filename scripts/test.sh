@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Run the whole test suite (unit tests, then end-to-end tests against one real Triton server).
+#   scripts/test.sh [pytest args]
+source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
+cd "$ROOT"
+"$PY" -m ruff check .
+"$PY" -m mypy
+exec "$PY" -m pytest "$@"
