@@ -11,6 +11,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_ENGINE_DIR = PROJECT_ROOT / "engines" / "smollm2"  # what scripts/serve.sh builds
+ENGINE_DIR_ENV = "LLM_ENGINE_DIR"
 FORMAT_VERSION = 1
 CONFIG_FILE = "config.json"
 SUPPORTED_ARCHITECTURES = ("llama",)

@@ -19,6 +19,7 @@ from python_backends.config import EngineLimits
 from python_backends.engine.sequence import SamplingParams
 
 DEFAULT_MAX_TOKENS = 64
+MAX_CHARS_PER_TOKEN = 64  # generous: real text averages 3-5
 
 
 class InvalidRequest(ValueError):
@@ -129,12 +130,22 @@ def parse_request(
     text = _text("text_input", text_arr.reshape(-1)[0])
     if not text:
         raise InvalidRequest("text_input", "must not be empty")
+    if len(text) > limits.max_seq_len * MAX_CHARS_PER_TOKEN:
+        # Refuse before tokenizing: a huge prompt must not stall the tokenizer for everyone.
+        raise InvalidRequest(
+            "text_input", f"{len(text)} characters cannot fit the context of "
+            f"{limits.max_seq_len} tokens"
+        )
 
     v = {name: _scalar(name, kind, inputs[name])
          for name, kind in SCALAR_INPUTS.items() if name in inputs}
 
-    max_tokens = v.get("max_tokens", DEFAULT_MAX_TOKENS)
-    if max_tokens <= 0:
+    prompt_ids = tokenize(text, True)
+    if not prompt_ids:
+        raise InvalidRequest("text_input", "tokenizes to no tokens")
+    # Unset max_tokens: the default, shortened to the room the prompt leaves.
+    max_tokens = v.get("max_tokens", min(DEFAULT_MAX_TOKENS, limits.max_seq_len - len(prompt_ids)))
+    if "max_tokens" in v and max_tokens <= 0:
         raise InvalidRequest("max_tokens", f"must be at least 1, got {max_tokens}")
     if max_tokens >= limits.max_seq_len:
         raise InvalidRequest(
@@ -162,10 +173,7 @@ def parse_request(
         raise InvalidRequest("min_tokens", f"must be in [0, max_tokens], got {min_tokens}")
     end_ids = (v["end_id"],) if "end_id" in v else eos_ids
 
-    prompt_ids = tokenize(text, True)
-    if not prompt_ids:
-        raise InvalidRequest("text_input", "tokenizes to no tokens")
-    if len(prompt_ids) + max_tokens > limits.max_seq_len:
+    if len(prompt_ids) + max_tokens > limits.max_seq_len or max_tokens <= 0:
         raise InvalidRequest(
             "text_input",
             f"prompt of {len(prompt_ids)} tokens plus max_tokens {max_tokens} exceeds the "

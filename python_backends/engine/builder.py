@@ -43,7 +43,9 @@ def default_source() -> Path:
 
 def load_hf(source: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
     """Load (model, tokenizer) with Hugging Face transformers: a checkpoint directory or a
-    `.gguf` file (dequantized). Also the numerical reference of the tests and benchmarks."""
+    `.gguf` file (dequantized). The tokenizer is None for a checkpoint without tokenizer files
+    (such an engine serves token ids only). Also the numerical reference of tests and benchmarks.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = Path(source)
@@ -59,7 +61,10 @@ def load_hf(source: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Any
                 "(no config.json)"
             )
         kwargs, where = {}, str(source)
-    tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
+    has_tokenizer = "gguf_file" in kwargs or any(
+        (source / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    )
+    tokenizer = AutoTokenizer.from_pretrained(where, **kwargs) if has_tokenizer else None
     model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **kwargs).eval()
     return model, tokenizer
 
@@ -156,6 +161,8 @@ def build_engine(
     log(f"loading {source} with transformers (GGUF files are dequantized here, once)")
     model, tokenizer = load_hf(source)
     log(f"loaded in {time.monotonic() - t0:.1f}s")
+    if tokenizer is None:
+        log("warning: no tokenizer files in the checkpoint; the engine cannot serve text")
     config = write_engine(model, tokenizer, out_dir, limits, dtype, str(source), force, log)
     log(f"engine ready at {out_dir} in {time.monotonic() - t0:.1f}s")
     return config

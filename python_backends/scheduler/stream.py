@@ -14,8 +14,9 @@ from python_backends.detokenizer import STREAM_CONTEXT_TOKENS
 
 @dataclass(frozen=True)
 class Chunk:
-    tokens: list[int]
-    prefix_len: int
+    tokens: list[int]  # window to detokenize
+    prefix_len: int  # leading context tokens in the window (already sent)
+    output_ids: list[int]  # generated ids this chunk reports (new ones, or all)
     finish_reason: str  # "" until the last chunk
     num_input_tokens: int
     num_output_tokens: int
@@ -51,7 +52,9 @@ class RequestStream:
             if not token_ids and not finish_reason:
                 return None
             lo = max(0, start - STREAM_CONTEXT_TOKENS)
-            return self._chunk(self.output_ids[lo:], start - lo, self.logprobs[start:])
+            return self._chunk(
+                self.output_ids[lo:], start - lo, self.output_ids[start:], self.logprobs[start:]
+            )
         if not finish_reason:
             return None
         return self.final_chunk()
@@ -61,12 +64,15 @@ class RequestStream:
         tokens = self.output_ids if self.exclude_input_in_output else (
             self.prompt_ids + self.output_ids
         )
-        return self._chunk(list(tokens), 0, self.logprobs)
+        return self._chunk(list(tokens), 0, self.output_ids, self.logprobs)
 
-    def _chunk(self, tokens: list[int], prefix_len: int, logprobs: list[float]) -> Chunk:
+    def _chunk(
+        self, tokens: list[int], prefix_len: int, output_ids: list[int], logprobs: list[float]
+    ) -> Chunk:
         return Chunk(
             tokens=tokens,
             prefix_len=prefix_len,
+            output_ids=list(output_ids),
             finish_reason=self.finish_reason,
             num_input_tokens=len(self.prompt_ids),
             num_output_tokens=len(self.output_ids),

@@ -10,9 +10,8 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_ENGINE_DIR = PROJECT_ROOT / "engines" / "smollm2"
-ENGINE_DIR_ENV = "LLM_ENGINE_DIR"
+from python_backends.config import DEFAULT_ENGINE_DIR, ENGINE_DIR_ENV
+
 
 
 class ModelArgs:
@@ -39,7 +38,9 @@ class ModelArgs:
     def engine_dir(self) -> Path:
         """Engine directory: the model's `engine_dir` parameter, else $LLM_ENGINE_DIR, else the
         default engine that scripts/serve.sh builds."""
-        return Path(self.param("engine_dir") or os.environ.get(ENGINE_DIR_ENV) or DEFAULT_ENGINE_DIR)
+        return Path(
+            self.param("engine_dir") or os.environ.get(ENGINE_DIR_ENV) or DEFAULT_ENGINE_DIR
+        )
 
 
 def inputs_of(request: Any) -> dict[str, np.ndarray]:

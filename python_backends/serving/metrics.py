@@ -5,6 +5,7 @@ Labels identify the model and instance, never the request.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import triton_python_backend_utils as pb_utils
@@ -63,14 +64,39 @@ class RequestMetrics:
 
 
 _families: dict[str, Any] = {}
+# The stub's metric calls are not thread-safe: concurrent updates from request threads corrupt
+# the message the server reads and crash tritonserver (seen with 10 concurrent requests).
+_lock = threading.Lock()
+
+
+class Metric:
+    """A pb_utils metric whose updates are serialized across the stub's threads."""
+
+    def __init__(self, metric: Any) -> None:
+        self._metric = metric
+
+    def set(self, value: float) -> None:
+        with _lock:
+            self._metric.set(value)
+
+    def increment(self, value: float = 1.0) -> None:
+        with _lock:
+            self._metric.increment(value)
+
+    def observe(self, value: float) -> None:
+        with _lock:
+            self._metric.observe(value)
 
 
 def _metric(
     name: str, doc: str, kind: Any, labels: dict[str, str], buckets: list[float] | None = None
-) -> Any:
-    family = _families.get(name)
-    if family is None:
-        family = _families[name] = pb_utils.MetricFamily(name=name, description=doc, kind=kind)
-    if buckets is not None:
-        return family.Metric(labels=labels, buckets=buckets)
-    return family.Metric(labels=labels)
+) -> Metric:
+    with _lock:
+        family = _families.get(name)
+        if family is None:
+            family = _families[name] = pb_utils.MetricFamily(
+                name=name, description=doc, kind=kind
+            )
+        if buckets is not None:
+            return Metric(family.Metric(labels=labels, buckets=buckets))
+        return Metric(family.Metric(labels=labels))

@@ -12,6 +12,7 @@ from python_backends.detokenizer import incremental_text
 from python_backends.serving.common import ModelArgs, bytes_tensor, inputs_of, tensor
 
 PASS_THROUGH = {
+    "OUTPUT_IDS": "output_ids",
     "NUM_INPUT_TOKENS": "num_input_tokens",
     "NUM_OUTPUT_TOKENS": "num_output_tokens",
     "CUM_LOG_PROBS": "cum_log_probs",

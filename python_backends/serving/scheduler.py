@@ -38,6 +38,7 @@ def chunk_response(chunk: Chunk) -> Any:
     return pb_utils.InferenceResponse([
         tensor("TOKENS", np.array([chunk.tokens], dtype=np.int32)),
         tensor("PREFIX_LEN", np.array([[chunk.prefix_len]], dtype=np.int32)),
+        tensor("OUTPUT_IDS", np.array([chunk.output_ids], dtype=np.int32)),
         bytes_tensor("FINISH_REASON", [chunk.finish_reason]),
         tensor("NUM_INPUT_TOKENS", np.array([[chunk.num_input_tokens]], dtype=np.int32)),
         tensor("NUM_OUTPUT_TOKENS", np.array([[chunk.num_output_tokens]], dtype=np.int32)),

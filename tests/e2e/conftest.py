@@ -1,0 +1,116 @@
+"""One real Triton server per test session, on free ports, serving the default engine, and
+Hugging Face transformers' greedy output as the reference."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from python_backends.client import LLMClient, metric_sum, scrape
+from python_backends.launcher import ServerOptions, TritonServer
+from python_backends.config import DEFAULT_ENGINE_DIR
+
+ENGINE_DIR = Path(os.environ.get("LLM_ENGINE_DIR", DEFAULT_ENGINE_DIR))
+
+# French, Chinese, emoji, code and plain English: multi-byte characters must survive streaming.
+PROMPTS = [
+    "The capital of France is",
+    "La recette de la crêpe bretonne commence par",
+    "中国的首都是",
+    "My favourite emojis are 🍕, 🎉 and",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+]
+MAX_TOKENS = 24
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Server:
+    options: ServerOptions
+    client: LLMClient
+    log_file: Path
+
+    def metrics(self) -> dict[str, Any]:
+        return scrape(self.options.metrics_url)
+
+    def kv_blocks_used(self) -> float:
+        return metric_sum(self.metrics(), "llm_kv_cache_blocks_used")
+
+    def wait_idle(self, timeout: float = 20.0) -> float:
+        """Wait until no KV block is in use; returns the last reading."""
+        deadline = time.monotonic() + timeout
+        used = self.kv_blocks_used()
+        while used and time.monotonic() < deadline:
+            time.sleep(0.2)
+            used = self.kv_blocks_used()
+        return used
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    if not (ENGINE_DIR / "config.json").is_file():
+        pytest.fail(f"no engine at {ENGINE_DIR}: run scripts/test.sh (it builds the engine)")
+    log_file = tmp_path_factory.mktemp("triton") / "server.log"
+    opts = ServerOptions(
+        http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+        engine_dir=ENGINE_DIR, log_file=log_file,
+    )
+    triton = TritonServer(opts)
+    triton.start()
+    try:
+        triton.wait_ready(timeout_s=600)
+    except Exception:
+        triton.stop()
+        print(log_file.read_text()[-5000:])
+        raise
+    try:
+        yield Server(opts, LLMClient(opts.http_url), log_file)
+    finally:
+        triton.stop()
+
+
+@dataclass
+class Reference:
+    tokenizer: Any
+    outputs: dict[str, list[int]]
+
+    def text(self, prompt: str) -> str:
+        """HF's decoding of the reference ids; a character cut off by max_tokens (decoded as
+        U+FFFD) is never sent by the server, so it is not expected either."""
+        text = self.tokenizer.decode(self.outputs[prompt], skip_special_tokens=True)
+        return str(text).rstrip("\ufffd")
+
+
+@pytest.fixture(scope="session")
+def reference() -> Reference:
+    """Hugging Face greedy generate on the GGUF itself (not on our engine's weights)."""
+    from transformers import AutoTokenizer
+
+    from python_backends.config import EngineConfig
+    from python_backends.engine.builder import load_hf
+
+    config = EngineConfig.load(ENGINE_DIR)
+    model, _ = load_hf(config.source)
+    tokenizer = AutoTokenizer.from_pretrained(str(ENGINE_DIR))
+    outputs = {}
+    for p in PROMPTS:
+        ids = tokenizer(p)["input_ids"]
+        out = model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                             eos_token_id=list(config.tokenizer.eos_token_ids),
+                             pad_token_id=config.tokenizer.pad_token_id)
+        outputs[p] = out[0, len(ids):].tolist()
+    return Reference(tokenizer, outputs)

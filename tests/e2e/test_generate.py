@@ -1,0 +1,115 @@
+"""Greedy output through the running server equals Hugging Face's, token for token."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+
+from python_backends.client import as_list
+from tests.e2e.conftest import MAX_TOKENS, PROMPTS, Reference, Server
+
+pytestmark = pytest.mark.e2e
+GREEDY = {"max_tokens": MAX_TOKENS, "exclude_input_in_output": True}
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_generate_matches_hf(server: Server, reference: Reference, prompt: str) -> None:
+    out = server.client.generate(prompt, **GREEDY)
+    assert as_list(out["output_ids"]) == reference.outputs[prompt]
+    assert out["text_output"] == reference.text(prompt)
+    assert out["num_output_tokens"] == len(reference.outputs[prompt])
+    assert out["finish_reason"] in ("stop", "length")
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_sse_stream_matches_hf(server: Server, reference: Reference, prompt: str) -> None:
+    result = server.client.stream_collect(prompt, **GREEDY)
+    assert result.output_ids == reference.outputs[prompt]
+    assert result.text == reference.text(prompt)
+    assert len(result.token_times) == len(reference.outputs[prompt])
+
+
+def test_prompt_is_included_unless_excluded(server: Server, reference: Reference) -> None:
+    prompt = PROMPTS[0]
+    out = server.client.generate(prompt, max_tokens=MAX_TOKENS)
+    assert out["text_output"] == prompt + reference.text(prompt)
+    assert out["num_input_tokens"] == len(reference.tokenizer(prompt)["input_ids"])
+
+
+def test_grpc_stream_matches_hf(server: Server, reference: Reference) -> None:
+    prompt = PROMPTS[2]
+    received: list[grpcclient.InferResult] = []
+    errors: list[Exception] = []
+
+    def callback(result: grpcclient.InferResult, error: Exception | None) -> None:
+        if error is not None:
+            errors.append(error)
+        else:
+            received.append(result)
+
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.options.grpc_port}")
+    client.start_stream(callback=callback)
+    inputs = [
+        _grpc_input("text_input", np.array([[prompt.encode()]], dtype=np.object_), "BYTES"),
+        _grpc_input("max_tokens", np.array([[MAX_TOKENS]], dtype=np.int32), "INT32"),
+        _grpc_input("stream", np.array([[True]]), "BOOL"),
+        _grpc_input("exclude_input_in_output", np.array([[True]]), "BOOL"),
+    ]
+    client.async_stream_infer("ensemble", inputs, enable_empty_final_response=True)
+    client.stop_stream()  # waits for the stream to finish
+    client.close()
+    assert not errors
+    chunks = [r for r in received if r.as_numpy("text_output") is not None]
+    text = "".join(r.as_numpy("text_output").reshape(-1)[0].decode() for r in chunks)
+    ids = [int(i) for r in chunks for i in r.as_numpy("output_ids").reshape(-1)]
+    assert ids == reference.outputs[prompt] and text == reference.text(prompt)
+
+
+def _grpc_input(name: str, value: np.ndarray, dtype: str) -> grpcclient.InferInput:
+    t = grpcclient.InferInput(name, list(value.shape), dtype)
+    t.set_data_from_numpy(value)
+    return t
+
+
+def test_16_in_flight_equal_single_request_outputs(server: Server, reference: Reference) -> None:
+    work = [PROMPTS[i % len(PROMPTS)] for i in range(16)]
+
+    def one(i_prompt: tuple[int, str]) -> list[int]:
+        i, prompt = i_prompt
+        if i % 2:
+            return server.client.stream_collect(prompt, **GREEDY).output_ids
+        return as_list(server.client.generate(prompt, **GREEDY)["output_ids"])
+
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(one, enumerate(work)))
+    for prompt, ids in zip(work, results, strict=True):
+        assert ids == reference.outputs[prompt]
+    assert server.wait_idle() == 0
+
+
+def test_sampling_parameters_are_applied(server: Server) -> None:
+    prompt = "Once upon a time"
+    a = server.client.generate(prompt, max_tokens=16, temperature=1.0, top_k=50, seed=7,
+                               exclude_input_in_output=True, return_log_probs=True)
+    b = server.client.generate(prompt, max_tokens=16, temperature=1.0, top_k=50, seed=7,
+                               exclude_input_in_output=True, return_log_probs=True)
+    assert as_list(a["output_ids"]) == as_list(b["output_ids"])  # same seed, same draw
+    assert len(a["output_log_probs"]) == 16
+    assert abs(a["cum_log_probs"] - sum(a["output_log_probs"])) < 1e-3
+    greedy = server.client.generate(prompt, max_tokens=16, exclude_input_in_output=True)
+    greedy_ids = as_list(greedy["output_ids"])
+    stop = greedy_ids[5]
+    stopped = server.client.generate(prompt, max_tokens=16, exclude_input_in_output=True,
+                                     end_id=stop)
+    assert as_list(stopped["output_ids"]) == greedy_ids[: greedy_ids.index(stop) + 1]
+    assert stopped["finish_reason"] == "stop"
+    words = server.client.generate(prompt, max_tokens=16, exclude_input_in_output=True,
+                                   stop_words=[greedy["text_output"].split()[2]])
+    assert words["finish_reason"] == "stop" and words["num_output_tokens"] < 16
+    penalised = server.client.generate(prompt, max_tokens=16, exclude_input_in_output=True,
+                                       repetition_penalty=1.5, min_tokens=16)
+    assert penalised["num_output_tokens"] == 16
+    assert as_list(penalised["output_ids"]) != greedy_ids

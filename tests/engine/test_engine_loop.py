@@ -1,0 +1,77 @@
+"""The continuous-batching loop: requests join and leave a running batch, cancellation frees."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from python_backends.engine.engine_loop import EngineLoop
+from python_backends.engine.llm_engine import TokenEvent
+from python_backends.engine.sequence import SamplingParams
+from tests.conftest import TinyModel, prompts
+
+
+class Collector:
+    def __init__(self) -> None:
+        self.tokens: dict[str, list[int]] = {}
+        self.finished: dict[str, str | None] = {}
+        self.done = threading.Condition()
+
+    def on_tokens(self, events: list[TokenEvent]) -> None:
+        with self.done:
+            for ev in events:
+                self.tokens.setdefault(ev.seq_id, []).append(ev.token_id)
+                if ev.finish_reason:
+                    self.finished[ev.seq_id] = ev.finish_reason.value
+            self.done.notify_all()
+
+    def on_finished_early(self, seq_id: str, error: str | None) -> None:
+        with self.done:
+            self.finished[seq_id] = error or "cancelled"
+            self.done.notify_all()
+
+    def wait(self, n: int, timeout: float = 30.0) -> None:
+        with self.done:
+            assert self.done.wait_for(lambda: len(self.finished) >= n, timeout)
+
+
+def test_requests_join_a_running_batch_and_match_hf(tiny_llama: TinyModel) -> None:
+    engine = tiny_llama.engine()
+    c = Collector()
+    loop = EngineLoop(engine, c.on_tokens, c.on_finished_early)
+    loop.start()
+    try:
+        batch = prompts(4, seed=20)
+        loop.submit("0", batch[0], SamplingParams(max_tokens=30))
+        time.sleep(0.05)  # the first is decoding when the others arrive
+        for i, p in enumerate(batch[1:], start=1):
+            loop.submit(str(i), p, SamplingParams(max_tokens=10))
+        c.wait(4)
+    finally:
+        loop.stop()
+    assert c.tokens["0"] == tiny_llama.greedy(batch[0], 30)
+    for i, p in enumerate(batch[1:], start=1):
+        assert c.tokens[str(i)] == tiny_llama.greedy(p, 10)
+    assert engine.blocks.num_used == 0
+
+
+def test_cancellation_and_refusal(tiny_llama: TinyModel) -> None:
+    engine = tiny_llama.engine(num_kv_blocks=16)
+    c = Collector()
+    cancelled: set[str] = set()
+    loop = EngineLoop(engine, c.on_tokens, c.on_finished_early,
+                      is_cancelled=lambda seq_id: seq_id in cancelled)
+    loop.start()
+    try:
+        loop.submit("big", list(range(1, 40)), SamplingParams(max_tokens=200))  # > 16 blocks
+        loop.submit("a", [1, 2, 3], SamplingParams(max_tokens=40))
+        loop.submit("b", [4, 5, 6], SamplingParams(max_tokens=40))
+        time.sleep(0.05)
+        cancelled.add("a")
+        loop.abort("b")
+        c.wait(3)
+    finally:
+        loop.stop()
+    assert "KV blocks" in str(c.finished["big"])
+    assert c.finished["a"] == c.finished["b"] == "cancelled"
+    assert engine.blocks.num_used == 0 and not engine.has_unfinished

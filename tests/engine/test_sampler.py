@@ -1,0 +1,65 @@
+import math
+
+import torch
+
+from python_backends.engine.sampler import process_logits, sample
+from python_backends.engine.sequence import SamplingParams, Sequence
+
+
+def seq(params: SamplingParams, prompt: list[int] | None = None,
+        output: list[int] | None = None) -> Sequence:
+    s = Sequence("s", prompt or [1, 2], params)
+    s.output_ids = list(output or [])
+    return s
+
+
+def test_greedy_batch_and_logprobs() -> None:
+    logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 1.0]])
+    seqs = [seq(SamplingParams(max_tokens=4, return_log_probs=True)) for _ in range(2)]
+    r = sample(seqs, logits)
+    assert r.token_ids == [1, 0]
+    assert r.logprobs is not None
+    assert math.isclose(r.logprobs[0], float(torch.log_softmax(logits[0], -1)[1]), rel_tol=1e-6)
+
+
+def test_top_k_one_is_greedy_even_with_temperature() -> None:
+    logits = torch.randn(4, 50)
+    seqs = [seq(SamplingParams(max_tokens=4, temperature=1.5, top_k=1)) for _ in range(4)]
+    assert sample(seqs, logits).token_ids == logits.argmax(-1).tolist()
+
+
+def test_seeded_sampling_is_reproducible_and_top_p_restricts() -> None:
+    logits = torch.randn(1, 100)
+    p = SamplingParams(max_tokens=4, temperature=1.0, seed=123)
+    a = [sample([s := seq(p)], logits).token_ids[0] for _ in range(1)]
+    s1, s2 = seq(p), seq(p)
+    draws1 = [sample([s1], logits).token_ids[0] for _ in range(20)]
+    draws2 = [sample([s2], logits).token_ids[0] for _ in range(20)]
+    assert draws1 == draws2 and a[0] == draws1[0] and len(set(draws1)) > 1
+    tiny_p = seq(SamplingParams(max_tokens=4, temperature=1.0, top_p=1e-6, seed=1))
+    assert {sample([tiny_p], logits).token_ids[0] for _ in range(10)} == {int(logits.argmax())}
+    top3 = set(torch.topk(logits[0], 3).indices.tolist())
+    k3 = seq(SamplingParams(max_tokens=4, temperature=2.0, top_k=3, seed=2))
+    assert {sample([k3], logits).token_ids[0] for _ in range(30)} <= top3
+
+
+def test_penalties() -> None:
+    logits = torch.tensor([2.0, -2.0, 1.0, 0.5])
+    rep = process_logits(seq(SamplingParams(max_tokens=4, repetition_penalty=2.0), [0, 1]),
+                         logits.clone())
+    assert rep.tolist() == [1.0, -4.0, 1.0, 0.5]
+    pf = SamplingParams(max_tokens=4, presence_penalty=0.5, frequency_penalty=0.25)
+    out = process_logits(seq(pf, [3], [2, 2]), logits.clone())
+    assert out.tolist() == [2.0, -2.0, 1.0 - 0.5 - 0.5, 0.5]
+
+
+def test_bans_bad_words_and_end_id_before_min_tokens() -> None:
+    logits = torch.tensor([5.0, 4.0, 3.0, 2.0])
+    p = SamplingParams(max_tokens=4, end_ids=(0,), min_tokens=2, bad_sequences=((9, 1), (2,)))
+    s = seq(p, [7, 9])
+    out = process_logits(s, logits.clone())
+    assert out[0] == float("-inf") and out[1] == float("-inf") and out[2] == float("-inf")
+    assert sample([s], logits.unsqueeze(0)).token_ids == [3]
+    s.output_ids = [3, 3]
+    out = process_logits(s, logits.clone())
+    assert out[0] == 5.0  # min_tokens reached: the end id is allowed again

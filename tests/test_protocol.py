@@ -1,0 +1,68 @@
+import numpy as np
+import pytest
+
+from python_backends.config import EngineLimits
+from python_backends.protocol import GenerationRequest, InvalidRequest, parse_request
+
+LIMITS = EngineLimits(max_seq_len=64, max_num_seqs=4, max_num_batched_tokens=64, block_size=4)
+
+
+def tokenize(text: str, add_special_tokens: bool) -> list[int]:
+    return [ord(c) % 1000 for c in text]
+
+
+def text(s: str | bytes) -> np.ndarray:
+    return np.array([[s.encode() if isinstance(s, str) else s]], dtype=np.object_)
+
+
+def parse(**inputs: np.ndarray) -> GenerationRequest:
+    return parse_request(inputs, tokenize, LIMITS, (2,))
+
+
+def i32(v: int) -> np.ndarray:
+    return np.array([[v]], dtype=np.int32)
+
+
+def f32(v: float) -> np.ndarray:
+    return np.array([[v]], dtype=np.float32)
+
+
+def test_defaults_and_round_trip() -> None:
+    req = parse(text_input=text("hello"), stop_words=np.array([[b"lo", b""]], dtype=np.object_),
+                min_length=i32(2), stream=np.array([[True]]))
+    assert req.prompt_ids == tokenize("hello", True)
+    assert req.params.greedy and req.params.end_ids == (2,) and req.params.min_tokens == 2
+    assert req.params.stop_sequences == (tuple(tokenize("lo", False)),) and req.stream
+    assert GenerationRequest.from_json(req.to_json()) == req
+
+
+@pytest.mark.parametrize(
+    ("inputs", "field"),
+    [
+        ({}, "text_input"),
+        ({"text_input": text("")}, "text_input"),
+        ({"text_input": text(b"\xff\xfe")}, "text_input"),
+        ({"text_input": np.array([[1.0]], dtype=np.float32)}, "text_input"),
+        ({"text_input": text("x"), "max_tokens": i32(0)}, "max_tokens"),
+        ({"text_input": text("x"), "max_tokens": i32(-3)}, "max_tokens"),
+        ({"text_input": text("x"), "max_tokens": i32(64)}, "max_tokens"),
+        ({"text_input": text("x"), "max_tokens": f32(3.0)}, "max_tokens"),
+        ({"text_input": text("x" * 60), "max_tokens": i32(8)}, "text_input"),
+        ({"text_input": text("x" * 64 * 65)}, "text_input"),
+        ({"text_input": text("x"), "temperature": f32(-0.1)}, "temperature"),
+        ({"text_input": text("x"), "temperature": f32(float("nan"))}, "temperature"),
+        ({"text_input": text("x"), "top_p": f32(0.0)}, "top_p"),
+        ({"text_input": text("x"), "top_p": f32(1.5)}, "top_p"),
+        ({"text_input": text("x"), "top_k": i32(-1)}, "top_k"),
+        ({"text_input": text("x"), "repetition_penalty": f32(0.0)}, "repetition_penalty"),
+        ({"text_input": text("x"), "min_tokens": i32(100)}, "min_tokens"),
+        ({"text_input": text("x"), "min_tokens": i32(1), "min_length": i32(2)}, "min_length"),
+        ({"text_input": text("x"), "stream": i32(1)}, "stream"),
+        ({"text_input": text("x"), "bogus": i32(1)}, "bogus"),
+        ({"text_input": np.array([[b"a", b"b"]], dtype=np.object_)}, "text_input"),
+    ],
+)
+def test_invalid_inputs_name_the_field(inputs: dict[str, np.ndarray], field: str) -> None:
+    with pytest.raises(InvalidRequest) as e:
+        parse(**inputs)
+    assert e.value.field == field and f"'{field}'" in str(e.value)
