@@ -1,9 +1,14 @@
 """Cross-process cancellation flags: one byte per in-flight request in a shared-memory file.
 
-Triton 2.51's Python backend cannot cancel a BLS request, so when a client goes away the
-scheduler (which sees the cancellation) raises the request's flag here and the engine instance
-holding the sequence (whichever stub Triton routed it to) sees it at its next step and frees the
-sequence's KV blocks. Reading a byte from a mapped page costs nothing per step.
+Why it exists: in Triton 2.51 a client's cancellation of an ensemble request never reaches the
+decoupled scheduler step (the ensemble only marks the requests of steps scheduled afterwards,
+i.e. postprocessing), and the Python backend cannot cancel a BLS request. So postprocessing,
+which does see the cancellation, raises the request's flag here; the scheduler stops streaming
+and the engine instance holding the sequence (whichever stub Triton routed it to) sees the flag
+at its next step and frees the sequence's KV blocks. Reading a mapped byte costs nothing.
+
+A flag is addressed by a ticket (slot and a per-slot generation tag), so a late cancellation of
+a finished request can never cancel the next request that reuses its slot.
 """
 
 from __future__ import annotations
@@ -16,6 +21,11 @@ from pathlib import Path
 
 SHM_DIR = Path("/dev/shm")
 NAME_PREFIX = "triton_llm_cancel_"
+_TAGS = 255  # tags 1..255; byte 0 means "not cancelled"
+
+
+class BoardFull(RuntimeError):
+    pass
 
 
 class CancelBoard:
@@ -31,6 +41,7 @@ class CancelBoard:
         finally:
             os.close(fd)
         self._free = list(range(size - 1, -1, -1)) if owner else []
+        self._tags = [0] * size if owner else []
         self._lock = threading.Lock()
 
     @classmethod
@@ -48,27 +59,49 @@ class CancelBoard:
     def name(self) -> str:
         return self.path.name
 
-    def acquire(self) -> int | None:
-        """A cleared slot for a new request, or None when all are in use (the request then
-        simply cannot be cancelled early)."""
+    def acquire(self) -> int:
+        """A ticket for a new request (owner only). Raises BoardFull when every slot is taken."""
         with self._lock:
             if not self._free:
-                return None
+                raise BoardFull(f"more than {self.size} requests in flight")
             slot = self._free.pop()
+            self._tags[slot] = self._tags[slot] % _TAGS + 1
+            tag = self._tags[slot]
         self._map[slot] = 0
-        return slot
+        return slot * 256 + tag
 
-    def release(self, slot: int) -> None:
+    def release(self, ticket: int) -> None:
         with self._lock:
-            self._free.append(slot)
+            self._free.append(ticket // 256)
 
-    def cancel(self, slot: int) -> None:
-        self._map[slot] = 1
+    def cancel(self, ticket: int) -> None:
+        self._map[ticket // 256] = ticket % 256
 
-    def is_cancelled(self, slot: int) -> bool:
-        return self._map[slot] == 1
+    def is_cancelled(self, ticket: int) -> bool:
+        return self._map[ticket // 256] == ticket % 256
 
     def close(self) -> None:
         self._map.close()
         if self._owner:
             self.path.unlink(missing_ok=True)
+
+
+class BoardCache:
+    """Boards attached by name, once per process (engine and postprocessing stubs)."""
+
+    def __init__(self) -> None:
+        self._boards: dict[str, CancelBoard] = {}
+        self._lock = threading.Lock()
+
+    def get(self, name: str) -> CancelBoard:
+        with self._lock:
+            board = self._boards.get(name)
+            if board is None:
+                board = self._boards[name] = CancelBoard.attach(name)
+            return board
+
+    def close(self) -> None:
+        with self._lock:
+            for board in self._boards.values():
+                board.close()
+            self._boards.clear()

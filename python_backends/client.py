@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,11 +65,11 @@ class LLMClient:
         body = dict(inputs) if text is None else {"text_input": text, **inputs}
         r = self.session.post(self._url("generate"), data=json.dumps(body), timeout=self.timeout)
         payload = r.json()
-        if r.status_code != 200:
+        if r.status_code != 200 or "error" in payload:
             raise GenerateError(r.status_code, payload.get("error", r.text))
         return dict(payload)
 
-    def stream(self, text: str, **inputs: Any) -> Iterator[dict[str, Any]]:
+    def stream(self, text: str, **inputs: Any) -> Generator[dict[str, Any], None, None]:
         """Server-sent events of a streaming request, one dict per response."""
         body = {"text_input": text, "stream": True, **inputs}
         with self.session.post(self._url("generate_stream"), data=json.dumps(body),

@@ -9,6 +9,7 @@ environment of the first `python3` on PATH, and must link this interpreter's own
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import signal
@@ -151,10 +152,8 @@ class TritonServer:
                 p.kill()
                 p.wait()
         if p is not None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)  # orphaned stubs, if any
-            except ProcessLookupError:
-                pass
         self.process = None
         remove_orphan_shm(set(os.listdir(SHM_DIR)) - self._shm_before)
 
@@ -173,7 +172,9 @@ def _mapped_paths() -> set[str]:
             continue
         try:
             with open(f"/proc/{pid}/maps") as f:
-                mapped.update(line.split(maxsplit=5)[-1].strip() for line in f if "/dev/shm/" in line)
+                mapped.update(
+                    line.split(maxsplit=5)[-1].strip() for line in f if "/dev/shm/" in line
+                )
         except OSError:
             continue
     return mapped

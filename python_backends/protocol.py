@@ -74,6 +74,10 @@ SCALAR_INPUTS: dict[str, str] = {
 }
 WORD_LIST_INPUTS = ("stop_words", "bad_words")
 KNOWN_INPUTS = frozenset(("text_input", *SCALAR_INPUTS, *WORD_LIST_INPUTS))
+# Request parameters (HTTP /generate turns unknown top-level JSON keys into parameters): those
+# Triton itself sets pass; any other is a client mistake such as a misspelt input name.
+TRITON_PARAMETERS = frozenset(("sequence_id", "sequence_start", "sequence_end"))
+TRITON_PARAMETER_PREFIX = "triton_"
 
 # (text, add_special_tokens) -> token ids
 Tokenize = Callable[[str, bool], list[int]]
@@ -112,6 +116,7 @@ def _text(name: str, value: Any) -> str:
 
 def parse_request(
     inputs: Mapping[str, np.ndarray],
+    parameters: Mapping[str, Any],
     tokenize: Tokenize,
     limits: EngineLimits,
     eos_ids: tuple[int, ...],
@@ -120,6 +125,11 @@ def parse_request(
     unknown = sorted(set(inputs) - KNOWN_INPUTS)
     if unknown:
         raise InvalidRequest(unknown[0], f"unknown input; known inputs: {sorted(KNOWN_INPUTS)}")
+    for name in sorted(parameters):
+        if name not in TRITON_PARAMETERS and not name.startswith(TRITON_PARAMETER_PREFIX):
+            raise InvalidRequest(
+                name, f"unknown input or parameter; known inputs: {sorted(KNOWN_INPUTS)}"
+            )
     if "text_input" not in inputs:
         raise InvalidRequest("text_input", "is required")
     text_arr = inputs["text_input"]
@@ -171,7 +181,11 @@ def parse_request(
     min_tokens = v.get("min_tokens", v.get("min_length", 0))
     if not 0 <= min_tokens <= max_tokens:
         raise InvalidRequest("min_tokens", f"must be in [0, max_tokens], got {min_tokens}")
-    end_ids = (v["end_id"],) if "end_id" in v else eos_ids
+    end_id = v.get("end_id")
+    if end_id is not None and end_id < -1:
+        raise InvalidRequest("end_id", f"must be a token id, or -1 for none; got {end_id}")
+    # end_id -1: never stop on an end token (benchmarks' "ignore eos").
+    end_ids = eos_ids if end_id is None else (() if end_id == -1 else (end_id,))
 
     if len(prompt_ids) + max_tokens > limits.max_seq_len or max_tokens <= 0:
         raise InvalidRequest(
@@ -208,4 +222,11 @@ def _word_list(
     if name not in inputs:
         return ()
     words = [_text(name, w) for w in inputs[name].reshape(-1)]
-    return tuple(tuple(ids) for w in words if w and (ids := tokenize(w, False)))
+    # Words match as token sequences. Mid-text, BPE tokenizers fold the preceding space into
+    # the word's first token, so each word is also tried with a leading space.
+    sequences: set[tuple[int, ...]] = set()
+    for word in filter(None, words):
+        for variant in (word,) if word.startswith(" ") else (word, " " + word):
+            if ids := tokenize(variant, False):
+                sequences.add(tuple(ids))
+    return tuple(sorted(sequences))

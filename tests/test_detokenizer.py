@@ -17,7 +17,7 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def tokenizer():  # type: ignore[no-untyped-def]
+def tokenizer():
     if not (ENGINE / "tokenizer.json").is_file():
         pytest.skip("default engine not built (scripts/setup_env.sh builds it)")
     from transformers import AutoTokenizer
@@ -26,7 +26,7 @@ def tokenizer():  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.parametrize("text", TEXTS)
-def test_streamed_chunks_concatenate_to_full_text(tokenizer, text: str) -> None:  # type: ignore[no-untyped-def]
+def test_streamed_chunks_concatenate_to_full_text(tokenizer, text: str) -> None:
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     stream = RequestStream([], stream=True, exclude_input_in_output=True, return_log_probs=False)
     pieces = []

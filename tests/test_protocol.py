@@ -15,8 +15,12 @@ def text(s: str | bytes) -> np.ndarray:
     return np.array([[s.encode() if isinstance(s, str) else s]], dtype=np.object_)
 
 
-def parse(**inputs: np.ndarray) -> GenerationRequest:
-    return parse_request(inputs, tokenize, LIMITS, (2,))
+def parse(params: dict[str, object] | None = None, **inputs: np.ndarray) -> GenerationRequest:
+    return parse_request(inputs, params or {}, tokenize, LIMITS, (2,))
+
+
+def parse_inputs(inputs: dict[str, np.ndarray]) -> GenerationRequest:
+    return parse_request(inputs, {}, tokenize, LIMITS, (2,))
 
 
 def i32(v: int) -> np.ndarray:
@@ -32,8 +36,12 @@ def test_defaults_and_round_trip() -> None:
                 min_length=i32(2), stream=np.array([[True]]))
     assert req.prompt_ids == tokenize("hello", True)
     assert req.params.greedy and req.params.end_ids == (2,) and req.params.min_tokens == 2
-    assert req.params.stop_sequences == (tuple(tokenize("lo", False)),) and req.stream
+    assert set(req.params.stop_sequences) == {tuple(tokenize("lo", False)),
+                                              tuple(tokenize(" lo", False))}
+    assert req.stream
     assert GenerationRequest.from_json(req.to_json()) == req
+    assert parse(text_input=text("x"), end_id=i32(-1)).params.end_ids == ()
+    assert parse(text_input=text("x"), end_id=i32(7)).params.end_ids == (7,)
 
 
 @pytest.mark.parametrize(
@@ -59,10 +67,20 @@ def test_defaults_and_round_trip() -> None:
         ({"text_input": text("x"), "min_tokens": i32(1), "min_length": i32(2)}, "min_length"),
         ({"text_input": text("x"), "stream": i32(1)}, "stream"),
         ({"text_input": text("x"), "bogus": i32(1)}, "bogus"),
+        ({"text_input": text("x"), "end_id": i32(-2)}, "end_id"),
         ({"text_input": np.array([[b"a", b"b"]], dtype=np.object_)}, "text_input"),
     ],
 )
 def test_invalid_inputs_name_the_field(inputs: dict[str, np.ndarray], field: str) -> None:
     with pytest.raises(InvalidRequest) as e:
-        parse(**inputs)
+        parse_inputs(inputs)
     assert e.value.field == field and f"'{field}'" in str(e.value)
+
+
+def test_unknown_parameters_are_refused_but_triton_ones_pass() -> None:
+    ok = parse({"triton_enable_empty_final_response": True, "sequence_id": 0},
+               text_input=text("x"))
+    assert ok.prompt_ids == [ord("x")]
+    with pytest.raises(InvalidRequest) as e:
+        parse({"max_token": 5}, text_input=text("x"))
+    assert e.value.field == "max_token"

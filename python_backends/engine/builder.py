@@ -61,9 +61,8 @@ def load_hf(source: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Any
                 "(no config.json)"
             )
         kwargs, where = {}, str(source)
-    has_tokenizer = "gguf_file" in kwargs or any(
-        (source / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-    )
+    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    has_tokenizer = "gguf_file" in kwargs or any((source / f).is_file() for f in tokenizer_files)
     tokenizer = AutoTokenizer.from_pretrained(where, **kwargs) if has_tokenizer else None
     model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **kwargs).eval()
     return model, tokenizer
@@ -82,7 +81,7 @@ def model_config_from_hf(hf: Any) -> ModelConfig:
     theta = rope.pop("rope_theta", getattr(hf, "rope_theta", 10000.0))
     legacy = getattr(hf, "rope_scaling", None) or {}
     rope = {**legacy, **rope}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    rope_type = str(rope.get("rope_type") or rope.get("type") or "default")
     known = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     scaling = RopeScaling(rope_type=rope_type, **{k: rope[k] for k in known if k in rope})
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads

@@ -25,13 +25,13 @@ def sample(seqs: list[Sequence], logits: torch.Tensor) -> SampleResult:
         tokens = logits.argmax(dim=-1)
         logprobs = None
         if any(s.params.return_log_probs for s in seqs):
-            lp = torch.log_softmax(logits, dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
-            logprobs = lp.tolist()
+            chosen = torch.log_softmax(logits, dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
+            logprobs = chosen.tolist()
         return SampleResult(tokens.tolist(), logprobs)
     token_ids: list[int] = []
     logprobs_out: list[float] = []
-    for seq, row in zip(seqs, logits, strict=True):
-        token, lp = _sample_one(seq, row)
+    for i, seq in enumerate(seqs):
+        token, lp = _sample_one(seq, logits[i])
         token_ids.append(token)
         logprobs_out.append(lp)
     return SampleResult(token_ids, logprobs_out)

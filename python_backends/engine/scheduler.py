@@ -103,7 +103,8 @@ class Scheduler:
             while self.waiting and budget > 0 and len(running) < self.limits.max_num_seqs:
                 seq = self.waiting[0]
                 n = min(seq.num_uncomputed_tokens, budget)
-                if n < seq.num_uncomputed_tokens and (scheduled and not self.enable_chunked_prefill):
+                chunked = n < seq.num_uncomputed_tokens
+                if chunked and scheduled and not self.enable_chunked_prefill:
                     break
                 need = self._blocks_needed(seq, n)
                 if not self.blocks.can_allocate(need):

@@ -13,7 +13,6 @@ import triton_python_backend_utils as pb_utils
 from python_backends.config import DEFAULT_ENGINE_DIR, ENGINE_DIR_ENV
 
 
-
 class ModelArgs:
     """The `args` Triton passes to `initialize`, with typed access to config parameters."""
 

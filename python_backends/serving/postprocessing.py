@@ -8,8 +8,15 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 from transformers import AutoTokenizer
 
+from python_backends.cancel_board import BoardCache
 from python_backends.detokenizer import incremental_text
-from python_backends.serving.common import ModelArgs, bytes_tensor, inputs_of, tensor
+from python_backends.serving.common import (
+    ModelArgs,
+    bytes_tensor,
+    error_response,
+    inputs_of,
+    tensor,
+)
 
 PASS_THROUGH = {
     "OUTPUT_IDS": "output_ids",
@@ -23,11 +30,22 @@ PASS_THROUGH = {
 class PostprocessingModel:
     def initialize(self, args: dict[str, str]) -> None:
         self.tokenizer = AutoTokenizer.from_pretrained(str(ModelArgs(args).engine_dir()))
+        self.boards = BoardCache()
+
+    def finalize(self) -> None:
+        self.boards.close()
 
     def execute(self, requests: list[Any]) -> list[Any]:
         responses = []
         for request in requests:
             inputs = inputs_of(request)
+            if request.is_cancelled():
+                # The ensemble marks this step's request when the client went away; tell the
+                # scheduler and the engine through the cancel board (see cancel_board).
+                board = self.boards.get(bytes(inputs["CANCEL_BOARD"].reshape(-1)[0]).decode())
+                board.cancel(int(inputs["CANCEL_TICKET"].reshape(-1)[0]))
+                responses.append(error_response("cancelled", pb_utils.TritonError.CANCELLED))
+                continue
             tokens = inputs["TOKENS"].reshape(-1).tolist()
             prefix_len = int(inputs["PREFIX_LEN"].reshape(-1)[0])
             text = incremental_text(self.tokenizer, tokens, prefix_len)

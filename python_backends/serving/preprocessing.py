@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import numpy as np
@@ -33,7 +34,8 @@ class PreprocessingModel:
         for request in requests:
             try:
                 req = parse_request(
-                    inputs_of(request), self._tokenize, self.config.limits,
+                    inputs_of(request), json.loads(request.parameters() or "{}"),
+                    self._tokenize, self.config.limits,
                     self.config.tokenizer.eos_token_ids,
                 )
             except InvalidRequest as e:

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from python_backends.cancel_board import CancelBoard
+from python_backends.cancel_board import BoardFull, CancelBoard
 from python_backends.protocol import GenerationRequest
 from python_backends.scheduler.stream import Chunk, RequestStream
 from python_backends.serving.common import (
@@ -34,8 +34,10 @@ ENGINE_OUTPUTS = [
 ]
 
 
-def chunk_response(chunk: Chunk) -> Any:
+def chunk_response(chunk: Chunk, board: str, ticket: int) -> Any:
     return pb_utils.InferenceResponse([
+        bytes_tensor("CANCEL_BOARD", [board]),
+        tensor("CANCEL_TICKET", np.array([[ticket]], dtype=np.int32)),
         tensor("TOKENS", np.array([chunk.tokens], dtype=np.int32)),
         tensor("PREFIX_LEN", np.array([[chunk.prefix_len]], dtype=np.int32)),
         tensor("OUTPUT_IDS", np.array([chunk.output_ids], dtype=np.int32)),
@@ -84,16 +86,18 @@ class SchedulerModel:
         state = RequestStream(
             req.prompt_ids, req.stream, req.exclude_input_in_output, req.params.return_log_probs
         )
-        slot = self.board.acquire()
+        try:
+            ticket = self.board.acquire()
+        except BoardFull as e:
+            sender.send(error_response(f"server overloaded: {e}",
+                                       pb_utils.TritonError.UNAVAILABLE), flags=FINAL)
+            return
         engine_inputs = [
             tensor("INPUT_IDS", np.array(req.prompt_ids, dtype=np.int32)),
             bytes_tensor("REQUEST", [request_json], batch=False),
+            bytes_tensor("CANCEL_BOARD", [self.board.name], batch=False),
+            tensor("CANCEL_TICKET", np.array([ticket], dtype=np.int32)),
         ]
-        if slot is not None:
-            engine_inputs += [
-                bytes_tensor("CANCEL_BOARD", [self.board.name], batch=False),
-                tensor("CANCEL_SLOT", np.array([slot], dtype=np.int32)),
-            ]
         cancelled = False
         try:
             bls = pb_utils.InferenceRequest(
@@ -106,10 +110,11 @@ class SchedulerModel:
                     sender.send(error_response(response.error().message(),
                                                pb_utils.TritonError.INTERNAL), flags=FINAL)
                     return
-                if not cancelled and sender.is_cancelled():
+                # Postprocessing raises the flag when the client cancels a stream (see
+                # cancel_board); a direct caller of this model cancels the sender itself.
+                if not cancelled and (self.board.is_cancelled(ticket) or sender.is_cancelled()):
                     cancelled = True
-                    if slot is not None:
-                        self.board.cancel(slot)
+                    self.board.cancel(ticket)
                 if cancelled or not response.output_tensors():
                     continue  # drain until the engine's final response
                 chunk = state.add(
@@ -119,10 +124,9 @@ class SchedulerModel:
                 )
                 if chunk is not None:
                     flags = FINAL if chunk.finish_reason else 0
-                    sender.send(chunk_response(chunk), flags=flags)
+                    sender.send(chunk_response(chunk, self.board.name, ticket), flags=flags)
         finally:
-            if slot is not None:
-                self.board.release(slot)
+            self.board.release(ticket)
         if cancelled or not state.finish_reason:
             sender.send(flags=FINAL)  # the client went away or the engine ended without a chunk
             return

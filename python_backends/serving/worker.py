@@ -4,7 +4,6 @@ every step sends each sequence's new token back to the caller (the scheduler, ov
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -13,7 +12,7 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from python_backends.cancel_board import CancelBoard
+from python_backends.cancel_board import BoardCache, CancelBoard
 from python_backends.engine.engine_loop import EngineLoop
 from python_backends.engine.llm_engine import LLMEngine, TokenEvent
 from python_backends.protocol import GenerationRequest
@@ -35,12 +34,12 @@ METRICS_INTERVAL_S = 0.05
 class _Pending:
     sender: Any
     num_prompt_tokens: int
-    board: CancelBoard | None
-    slot: int | None
+    board: CancelBoard | None  # set when the caller (the scheduler) relays cancellation
+    ticket: int
 
     def is_cancelled(self) -> bool:
-        if self.board is not None and self.slot is not None:
-            return self.board.is_cancelled(self.slot)
+        if self.board is not None:
+            return self.board.is_cancelled(self.ticket)
         return bool(self.sender.is_cancelled())
 
 
@@ -67,8 +66,7 @@ class WorkerModel:
         )
         self.metrics = EngineMetrics(margs.model_name, margs.instance_name)
         self._pending: dict[str, _Pending] = {}
-        self._boards: dict[str, CancelBoard] = {}
-        self._lock = threading.Lock()
+        self._boards = BoardCache()
         self._last_publish = 0.0
         self.loop = EngineLoop(
             engine,
@@ -80,28 +78,22 @@ class WorkerModel:
         self.metrics.publish(engine.stats())
         self.loop.start()
 
-    def _board(self, name: str) -> CancelBoard:
-        with self._lock:
-            board = self._boards.get(name)
-            if board is None:
-                board = self._boards[name] = CancelBoard.attach(name)
-            return board
-
     def execute(self, requests: list[Any]) -> None:
         for request in requests:
             sender = request.get_response_sender()
             try:
                 inputs = inputs_of(request)
                 req = GenerationRequest.from_json(bytes(inputs["REQUEST"].reshape(-1)[0]))
-                board = slot = None
+                board, ticket = None, 0
                 if "CANCEL_BOARD" in inputs:
-                    board = self._board(bytes(inputs["CANCEL_BOARD"].reshape(-1)[0]).decode())
-                    slot = int(inputs["CANCEL_SLOT"].reshape(-1)[0])
+                    name = bytes(inputs["CANCEL_BOARD"].reshape(-1)[0]).decode()
+                    board = self._boards.get(name)
+                    ticket = int(inputs["CANCEL_TICKET"].reshape(-1)[0])
             except Exception as e:  # malformed internal request: answer it, keep serving
                 sender.send(error_response(f"worker: bad request: {e}"), flags=FINAL)
                 continue
             seq_id = uuid.uuid4().hex
-            self._pending[seq_id] = _Pending(sender, len(req.prompt_ids), board, slot)
+            self._pending[seq_id] = _Pending(sender, len(req.prompt_ids), board, ticket)
             self.loop.submit(seq_id, req.prompt_ids, req.params)
         return None
 
@@ -138,5 +130,4 @@ class WorkerModel:
         self.loop.stop()
         for seq_id in list(self._pending):
             self._on_finished_early(seq_id, "server shutting down")
-        for board in self._boards.values():
-            board.close()
+        self._boards.close()

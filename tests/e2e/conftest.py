@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from python_backends.client import LLMClient, metric_sum, scrape
-from python_backends.launcher import ServerOptions, TritonServer
 from python_backends.config import DEFAULT_ENGINE_DIR
+from python_backends.launcher import ServerOptions, TritonServer
 
 ENGINE_DIR = Path(os.environ.get("LLM_ENGINE_DIR", DEFAULT_ENGINE_DIR))
 

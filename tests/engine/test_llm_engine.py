@@ -48,7 +48,7 @@ def test_preemption_by_recompute_keeps_output(tiny_llama: TinyModel) -> None:
     preempted = 0
     original_schedule = engine.scheduler.schedule
 
-    def counting_schedule():  # type: ignore[no-untyped-def]
+    def counting_schedule():
         nonlocal preempted
         out = original_schedule()
         preempted += len(out.preempted)

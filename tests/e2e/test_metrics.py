@@ -1,0 +1,30 @@
+"""The minimal metrics are on Triton's metrics port and move under load."""
+
+from __future__ import annotations
+
+import pytest
+
+from python_backends.client import metric_sum
+from tests.e2e.conftest import Server
+
+pytestmark = pytest.mark.e2e
+
+
+def test_metrics_present_and_moving(server: Server) -> None:
+    before = server.metrics()
+    for name in ("llm_kv_cache_blocks_used", "llm_kv_cache_blocks_total",
+                 "llm_kv_cache_usage_ratio", "llm_num_requests_running",
+                 "llm_num_requests_waiting"):
+        labels = {dict(k)["instance"] for k in before[name]}
+        assert labels == {"worker_0_0"}, name
+    assert metric_sum(before, "llm_kv_cache_blocks_total") == 1024
+    result = server.client.stream_collect("Count to ten:", max_tokens=12, end_id=-1)
+    assert len(result.output_ids) == 12
+    after = server.metrics()
+    ttft = "llm_time_to_first_token_seconds"
+    tpot = "llm_time_per_output_token_seconds"
+    assert metric_sum(after, f"{ttft}_count") == metric_sum(before, f"{ttft}_count") + 1
+    assert metric_sum(after, f"{tpot}_count") == metric_sum(before, f"{tpot}_count") + 1
+    observed = metric_sum(after, f"{ttft}_sum") - metric_sum(before, f"{ttft}_sum")
+    assert 0 < observed <= result.ttft + 0.05  # server-side TTFT within the client's
+    assert any(k for k in after[f"{ttft}_bucket"] if ("le", "0.5") in k)
