@@ -70,8 +70,8 @@ def paged_attention(
                 qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True
             )
         else:
-            ks = cache[0][span.context_slots].transpose(0, 1)  # [K, C, D]
-            vs = cache[1][span.context_slots].transpose(0, 1)
+            ks = cache[0].index_select(0, span.context_slots).transpose(0, 1)  # [K, C, D]
+            vs = cache[1].index_select(0, span.context_slots).transpose(0, 1)
             past = span.context_len - n
             rows = torch.arange(n).unsqueeze(1) + past
             mask = torch.arange(span.context_len).unsqueeze(0) <= rows  # [n, C]
@@ -81,9 +81,13 @@ def paged_attention(
         out[span.start : span.end] = o.transpose(0, 1)
     if meta.decode is not None:
         d = meta.decode
+        b, longest = d.slots.shape
+        kv_shape = (b, longest, *cache.shape[2:])
+        flat = d.slots.view(-1)
         qd = q[d.token_index].unsqueeze(2)  # [B, H, 1, D]
-        kd = cache[0][d.slots].transpose(1, 2)  # [B, K, L, D]
-        vd = cache[1][d.slots].transpose(1, 2)
+        # index_select, not advanced indexing: ~5x faster gathers on CPU.
+        kd = cache[0].index_select(0, flat).view(kv_shape).transpose(1, 2)  # [B, K, L, D]
+        vd = cache[1].index_select(0, flat).view(kv_shape).transpose(1, 2)
         o = F.scaled_dot_product_attention(
             qd, kd, vd, attn_mask=d.mask, scale=scale, enable_gqa=True
         )

@@ -11,6 +11,25 @@ from python_backends.config import EngineConfig, EngineConfigError
 from python_backends.models.llama import LlamaForCausalLM
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Engine files keep Hugging Face's names; the model packs these projections into one matrix
+# each (fewer, larger GEMMs: on a CPU every kernel launch is a thread-pool wake-up).
+PACKED_MODULES = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+
+
+def pack_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Hugging Face names -> model names, concatenating packed projections along dim 0."""
+    out = dict(state)
+    for packed, parts in PACKED_MODULES.items():
+        for name in [k for k in state if f".{parts[0]}." in k]:
+            names = [name.replace(f".{parts[0]}.", f".{p}.") for p in parts]
+            if all(n in out for n in names):
+                out[name.replace(f".{parts[0]}.", f".{packed}.")] = torch.cat(
+                    [out.pop(n) for n in names]
+                )
+    return out
 
 
 def load_model(engine_dir: str | Path, config: EngineConfig, rank: int = 0) -> LlamaForCausalLM:
@@ -20,7 +39,7 @@ def load_model(engine_dir: str | Path, config: EngineConfig, rank: int = 0) -> L
     dtype = DTYPES[config.dtype]
     with torch.device("meta"):
         model = LlamaForCausalLM(config.model)
-    state = load_file(str(path))
+    state = pack_weights(load_file(str(path)))
     expected = {k for k in model.state_dict() if not _is_tied_head(k, config)}
     missing, unexpected = expected - state.keys(), state.keys() - expected
     if missing or unexpected:
@@ -35,7 +54,9 @@ def load_model(engine_dir: str | Path, config: EngineConfig, rank: int = 0) -> L
         config.model.head_dim, config.model.max_position_embeddings,
         config.model.rope_theta, config.model.rope_scaling,
     )
-    return model.to(dtype).eval()
+    model = model.to(dtype).eval()
+    model.pack_linears()
+    return model
 
 
 def _is_tied_head(name: str, config: EngineConfig) -> bool:

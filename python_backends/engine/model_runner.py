@@ -21,7 +21,7 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         cfg = model.config
-        dtype = model.lm_head.weight.dtype
+        dtype = model.model.embed_tokens.weight.dtype
         slots = num_blocks * block_size
         # One [2, S, K, D] tensor per layer, allocated once: the pool a KV transport registers.
         self.kv_caches = [

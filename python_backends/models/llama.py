@@ -19,6 +19,34 @@ from python_backends.config import ModelConfig, RopeScaling
 from python_backends.engine.attention import AttentionMetadata, paged_attention, write_kv
 
 
+class Linear(nn.Linear):
+    """nn.Linear that can pre-pack its weight for oneDNN on the CPU.
+
+    A batch-16 decode step streams every weight once; oneDNN's blocked layout halves the time of
+    those small-M GEMMs against the default sgemm path (measured here: 23 vs 50 ms for 424 MB of
+    cold weights). Packing happens once after loading; results differ from F.linear only in
+    float32 rounding (~1e-4), and greedy output is checked against Hugging Face in the tests.
+    """
+
+    packed: torch.Tensor | None = None
+
+    def pack(self) -> bool:
+        if self.weight.dtype != torch.float32 or self.weight.device.type != "cpu":
+            return False
+        try:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 16)
+        except (RuntimeError, AttributeError):  # no oneDNN in this build: keep F.linear
+            return False
+        # The plain copy is no longer read (a tied embedding keeps its own reference).
+        self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
+        return True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        return F.linear(x, self.weight)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -26,10 +54,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # One fused kernel; in float32 it rounds exactly like Hugging Face's four-op version.
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * y.to(x.dtype)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
@@ -65,17 +95,22 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotary:
+        """The step's tables, looked up once and shared by every layer."""
+        cos = self.cos.index_select(0, positions).unsqueeze(1).to(dtype)  # [T, 1, D]
+        sin = self.sin.index_select(0, positions).unsqueeze(1).to(dtype)
+        return cos, sin
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+Rotary = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [T, 1, D]
+
+
+def apply_rotary(x: torch.Tensor, rotary: Rotary) -> torch.Tensor:
+    """x: [T, heads, D]."""
+    cos, sin = rotary
     half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
 
 
 class Attention(nn.Module):
@@ -84,22 +119,21 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         )
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        # q, k and v projections packed into one matrix (see loader.PACKED_MODULES).
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
         self.scale = cfg.head_dim**-0.5
         # [2, S, K, D]; bound by the model runner once the pool is allocated.
         self.kv_cache = torch.empty(0)
 
-    def forward(
-        self, x: torch.Tensor, rope: RotaryEmbedding, meta: AttentionMetadata
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary: Rotary, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, H, D]
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, K, D]
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        q, k = rope(meta.positions, q, k)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(t, self.num_heads, self.head_dim), rotary)  # [T, H, D]
+        k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), rotary)  # [T, K, D]
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         write_kv(self.kv_cache, k, v, meta.slot_mapping)
         o = paged_attention(q, k, v, self.kv_cache, meta, self.scale)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
@@ -108,12 +142,13 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        # gate and up projections packed into one matrix (see loader.PACKED_MODULES).
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -124,10 +159,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(
-        self, x: torch.Tensor, rope: RotaryEmbedding, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, meta)
+    def forward(self, x: torch.Tensor, rotary: Rotary, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rotary, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -143,8 +176,9 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, E]
+        rotary = self.rotary_emb(meta.positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, self.rotary_emb, meta)
+            x = layer(x, rotary, meta)
         return self.norm(x)
 
 
@@ -153,7 +187,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = LlamaModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -161,6 +195,10 @@ class LlamaForCausalLM(nn.Module):
         """Logits [N, V] (float32) of the tokens in `meta.logits_index`."""
         hidden = self.model(input_ids, meta)
         return self.lm_head(hidden[meta.logits_index]).float()
+
+    def pack_linears(self) -> int:
+        """Pre-pack every projection for oneDNN (CPU, float32); returns how many were packed."""
+        return sum(m.pack() for m in self.modules() if isinstance(m, Linear))
 
     def attention_layers(self) -> list[Attention]:
         return [m for m in self.modules() if isinstance(m, Attention)]

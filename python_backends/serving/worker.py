@@ -4,9 +4,13 @@ every step sends each sequence's new token back to the caller (the scheduler, ov
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -56,6 +60,30 @@ def engine_response(
     ])
 
 
+class Outbox:
+    """Sends responses on its own thread, in order. Each send is an IPC round trip to the
+    server; done here, they overlap the engine's next step instead of delaying it."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="outbox", daemon=True)
+        self._thread.start()
+
+    def put(self, sender: Any, make_response: Callable[[], Any], flags: int = 0) -> None:
+        self._queue.put(lambda: sender.send(make_response(), flags=flags))
+
+    def close(self, timeout: float = 10.0) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while (send := self._queue.get()) is not None:
+            try:
+                send()
+            except Exception:  # a client that went away must not stop the others' responses
+                log.exception("sending a response failed")
+
+
 class WorkerModel:
     def initialize(self, args: dict[str, str]) -> None:
         margs = ModelArgs(args)
@@ -68,6 +96,7 @@ class WorkerModel:
         self._pending: dict[str, _Pending] = {}
         self._boards = BoardCache()
         self._last_publish = 0.0
+        self.outbox = Outbox()
         self.loop = EngineLoop(
             engine,
             on_tokens=self._on_tokens,
@@ -99,26 +128,24 @@ class WorkerModel:
 
     def _on_tokens(self, events: list[TokenEvent]) -> None:
         for ev in events:
-            pending = self._pending[ev.seq_id]
-            reason = ev.finish_reason.value if ev.finish_reason else ""
-            response = engine_response(
-                [ev.token_id], [ev.logprob or 0.0], reason,
-                ev.num_prompt_tokens, ev.num_output_tokens,
-            )
             if ev.finish_reason is None:
-                pending.sender.send(response)
+                sender, flags = self._pending[ev.seq_id].sender, 0
             else:
-                del self._pending[ev.seq_id]
-                pending.sender.send(response, flags=FINAL)
+                sender, flags = self._pending.pop(ev.seq_id).sender, FINAL
+            self.outbox.put(sender, partial(
+                engine_response, [ev.token_id], [ev.logprob or 0.0],
+                ev.finish_reason.value if ev.finish_reason else "",
+                ev.num_prompt_tokens, ev.num_output_tokens,
+            ), flags)
 
     def _on_finished_early(self, seq_id: str, error: str | None) -> None:
         pending = self._pending.pop(seq_id)
         if error is not None:
-            pending.sender.send(error_response(error), flags=FINAL)
+            self.outbox.put(pending.sender, partial(error_response, error), FINAL)
         else:
-            pending.sender.send(
-                engine_response([], [], "cancelled", pending.num_prompt_tokens, 0), flags=FINAL
-            )
+            self.outbox.put(pending.sender, partial(
+                engine_response, [], [], "cancelled", pending.num_prompt_tokens, 0
+            ), FINAL)
 
     def _on_step(self, engine: LLMEngine) -> None:
         now = time.monotonic()
@@ -130,4 +157,5 @@ class WorkerModel:
         self.loop.stop()
         for seq_id in list(self._pending):
             self._on_finished_early(seq_id, "server shutting down")
+        self.outbox.close()
         self._boards.close()

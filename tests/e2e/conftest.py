@@ -4,7 +4,6 @@ Hugging Face transformers' greedy output as the reference."""
 from __future__ import annotations
 
 import os
-import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -16,7 +15,7 @@ import torch
 
 from python_backends.client import LLMClient, metric_sum, scrape
 from python_backends.config import DEFAULT_ENGINE_DIR
-from python_backends.launcher import ServerOptions, TritonServer
+from python_backends.launcher import ServerOptions, TritonServer, free_port
 
 ENGINE_DIR = Path(os.environ.get("LLM_ENGINE_DIR", DEFAULT_ENGINE_DIR))
 
@@ -30,12 +29,6 @@ PROMPTS = [
     "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
 ]
 MAX_TOKENS = 24
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
