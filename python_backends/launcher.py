@@ -153,8 +153,10 @@ class TritonServer:
                 p.kill()
                 p.wait()
         if p is not None:
+            # Stubs outlive a server that hit its exit timeout; they hold shared memory.
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)  # orphaned stubs, if any
+                os.killpg(p.pid, signal.SIGKILL)
+            _wait_group_gone(p.pid)
         self.process = None
         remove_orphan_shm(set(os.listdir(SHM_DIR)) - self._shm_before)
 
@@ -164,6 +166,23 @@ class TritonServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _wait_group_gone(pgid: int, timeout_s: float = 10.0) -> None:
+    """Wait until no live (non-zombie) process of the group is left."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not any(_in_group_alive(int(pid), pgid) for pid in os.listdir("/proc") if pid.isdigit()):
+            return
+        time.sleep(0.1)
+
+
+def _in_group_alive(pid: int, pgid: int) -> bool:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return False
+    return int(fields[2]) == pgid and fields[0] != "Z"  # fields: state, ppid, pgrp, ...
 
 
 def free_port() -> int:
