@@ -7,8 +7,8 @@ from pathlib import Path
 
 from python_backends.config import EngineConfig
 from python_backends.engine.block_manager import BlockManager
-from python_backends.engine.loader import DTYPES, load_model
-from python_backends.engine.model_runner import ModelRunner, kv_bytes_per_block
+from python_backends.engine.loader import load_model
+from python_backends.engine.model_runner import ModelRunner
 from python_backends.engine.sampler import SampleResult, sample
 from python_backends.engine.scheduler import Scheduler
 from python_backends.engine.sequence import FinishReason, SamplingParams, Sequence
@@ -47,18 +47,10 @@ class LLMEngine:
 
     @classmethod
     def from_engine_dir(
-        cls, engine_dir: str | Path, num_kv_blocks: int | None = None,
-        kv_cache_bytes: int = 1 << 30, enable_chunked_prefill: bool = True,
+        cls, engine_dir: str | Path, num_kv_blocks: int, enable_chunked_prefill: bool = True
     ) -> LLMEngine:
-        """Load an engine. The pool is `num_kv_blocks` blocks, or as many as fit
-        `kv_cache_bytes`."""
         config = EngineConfig.load(engine_dir)
         model = load_model(engine_dir, config)
-        if num_kv_blocks is None:
-            per_block = kv_bytes_per_block(
-                config.model, config.limits.block_size, DTYPES[config.dtype]
-            )
-            num_kv_blocks = max(1, kv_cache_bytes // per_block)
         return cls(config, model, num_kv_blocks, enable_chunked_prefill)
 
     def add_request(

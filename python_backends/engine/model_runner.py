@@ -4,16 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from python_backends.config import ModelConfig
 from python_backends.engine.attention import AttentionMetadata, DecodeBatch, PrefillSpan
 from python_backends.engine.scheduler import SchedulerOutput
 from python_backends.engine.sequence import Sequence
 from python_backends.models.llama import LlamaForCausalLM
-
-
-def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
 
 
 class ModelRunner:

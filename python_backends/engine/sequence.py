@@ -63,7 +63,6 @@ class Sequence:
     seq_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    priority: int = 0
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     num_computed_tokens: int = 0
