@@ -60,3 +60,13 @@ def prompts(n: int, seed: int = 1, lo: int = 3, hi: int = 40) -> list[list[int]]
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(lo, hi, (n,), generator=g).tolist()
     return [torch.randint(1, 256, (k,), generator=g).tolist() for k in lengths]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `gpu` run only where CUDA is available; elsewhere they are skipped."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU (CUDA not available)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
