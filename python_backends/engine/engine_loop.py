@@ -33,14 +33,15 @@ class EngineLoop:
     `abort`, so the engine itself needs no locks.
 
     Callbacks run on the loop thread: `on_tokens` after each step, `on_finished_early` when a
-    sequence ends without a token (cancelled, or refused with an error message).
+    sequence ends without a token: cancelled (error None), refused (a ValueError: it can never
+    fit) or failed (another exception).
     """
 
     def __init__(
         self,
         engine: LLMEngine,
         on_tokens: Callable[[list[TokenEvent]], None],
-        on_finished_early: Callable[[str, str | None], None],
+        on_finished_early: Callable[[str, Exception | None], None],
         is_cancelled: Callable[[str], bool] = lambda _seq_id: False,
         on_step: Callable[[LLMEngine], None] = lambda _engine: None,
     ) -> None:
@@ -84,7 +85,7 @@ class EngineLoop:
             try:
                 self.engine.add_request(msg.seq_id, msg.prompt_ids, msg.params)
             except ValueError as e:
-                self._on_finished_early(msg.seq_id, str(e))
+                self._on_finished_early(msg.seq_id, e)
         elif self.engine.abort(msg.seq_id) is not None:
             self._on_finished_early(msg.seq_id, None)
 
@@ -106,12 +107,12 @@ class EngineLoop:
                 continue
             try:
                 events = self.engine.step()
-            except Exception:  # a bug must not wedge every request: fail them all, keep serving
+            except Exception as e:  # a bug must not wedge every request: fail them, keep serving
                 log.exception("engine step failed; aborting all sequences")
                 sched = self.engine.scheduler
                 for seq in [*sched.running, *sched.waiting]:
                     self.engine.abort(seq.seq_id)
-                    self._on_finished_early(seq.seq_id, "internal engine error")
+                    self._on_finished_early(seq.seq_id, RuntimeError(f"engine step failed: {e}"))
                 events = []
             if events:
                 self._on_tokens(events)

@@ -8,7 +8,6 @@ cancellation, which it relays to the engine through the cancel board.
 from __future__ import annotations
 
 import logging
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -49,7 +48,7 @@ def chunk_response(chunk: Chunk, board: str, ticket: int) -> Any:
     ])
 
 
-def _first(response: Any, name: str) -> np.ndarray:
+def _output(response: Any, name: str) -> np.ndarray:
     return pb_utils.get_output_tensor_by_name(response, name).as_numpy()
 
 
@@ -63,7 +62,6 @@ class SchedulerModel:
             max_workers=margs.int_param("max_concurrent_requests", 1024),
             thread_name_prefix="request",
         )
-        self._closing = threading.Event()
 
     def execute(self, requests: list[Any]) -> None:
         for request in requests:
@@ -106,9 +104,9 @@ class SchedulerModel:
                 requested_output_names=ENGINE_OUTPUTS,
             )
             for response in bls.exec(decoupled=True):
-                if response.has_error():
-                    sender.send(error_response(response.error().message(),
-                                               pb_utils.TritonError.INTERNAL), flags=FINAL)
+                if response.has_error():  # keeps the engine's code: a refusal is the client's
+                    error = response.error()
+                    sender.send(error_response(error.message(), error.code()), flags=FINAL)
                     return
                 # Postprocessing raises the flag when the client cancels a stream (see
                 # cancel_board); a direct caller of this model cancels the sender itself.
@@ -118,9 +116,9 @@ class SchedulerModel:
                 if cancelled or not response.output_tensors():
                     continue  # drain until the engine's final response
                 chunk = state.add(
-                    _first(response, "OUTPUT_IDS").tolist(),
-                    _first(response, "OUTPUT_LOG_PROBS").tolist(),
-                    bytes(_first(response, "FINISH_REASON")[0]).decode(),
+                    _output(response, "OUTPUT_IDS").tolist(),
+                    _output(response, "OUTPUT_LOG_PROBS").tolist(),
+                    bytes(_output(response, "FINISH_REASON")[0]).decode(),
                 )
                 if chunk is not None:
                     flags = FINAL if chunk.finish_reason else 0

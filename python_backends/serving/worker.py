@@ -60,6 +60,10 @@ def engine_response(
     ])
 
 
+class ShuttingDown(RuntimeError):
+    pass
+
+
 class Outbox:
     """Sends responses on its own thread, in order. Each send is an IPC round trip to the
     server; done here, they overlap the engine's next step instead of delaying it."""
@@ -138,10 +142,13 @@ class WorkerModel:
                 ev.num_prompt_tokens, ev.num_output_tokens,
             ), flags)
 
-    def _on_finished_early(self, seq_id: str, error: str | None) -> None:
+    def _on_finished_early(self, seq_id: str, error: Exception | None) -> None:
         pending = self._pending.pop(seq_id)
         if error is not None:
-            self.outbox.put(pending.sender, partial(error_response, error), FINAL)
+            code = (pb_utils.TritonError.INVALID_ARG if isinstance(error, ValueError)
+                    else pb_utils.TritonError.UNAVAILABLE if isinstance(error, ShuttingDown)
+                    else pb_utils.TritonError.INTERNAL)
+            self.outbox.put(pending.sender, partial(error_response, str(error), code), FINAL)
         else:
             self.outbox.put(pending.sender, partial(
                 engine_response, [], [], "cancelled", pending.num_prompt_tokens, 0
@@ -156,6 +163,6 @@ class WorkerModel:
     def finalize(self) -> None:
         self.loop.stop()
         for seq_id in list(self._pending):
-            self._on_finished_early(seq_id, "server shutting down")
+            self._on_finished_early(seq_id, ShuttingDown("server shutting down"))
         self.outbox.close()
         self._boards.close()

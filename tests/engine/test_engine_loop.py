@@ -25,9 +25,9 @@ class Collector:
                     self.finished[ev.seq_id] = ev.finish_reason.value
             self.done.notify_all()
 
-    def on_finished_early(self, seq_id: str, error: str | None) -> None:
+    def on_finished_early(self, seq_id: str, error: Exception | None) -> None:
         with self.done:
-            self.finished[seq_id] = error or "cancelled"
+            self.finished[seq_id] = str(error) if error else "cancelled"
             self.done.notify_all()
 
     def wait(self, n: int, timeout: float = 30.0) -> None:
