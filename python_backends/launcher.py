@@ -24,6 +24,13 @@ from pathlib import Path
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 SHM_DIR = Path("/dev/shm")
+API_KEY_HEADER = "x-api-key"
+GRPC_API_KEY_HEADER = f"triton-grpc-protocol-{API_KEY_HEADER}"  # Triton's gRPC metadata name
+# Protected by --api-key. Health and metadata stay open for load balancers and discovery.
+RESTRICTED_APIS = (
+    "inference", "model-repository", "model-config", "shared-memory", "statistics", "trace",
+    "logging",
+)
 
 
 class ServerError(RuntimeError):
@@ -77,6 +84,7 @@ class ServerOptions:
     engine_dir: Path | None = None
     log_file: Path | None = None  # None: inherit stdout/stderr
     exit_timeout_s: int = 15
+    api_key: str | None = None  # when set, clients must send it in the x-api-key header
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
     @property
@@ -108,8 +116,18 @@ class TritonServer:
             f"--exit-timeout-secs={o.exit_timeout_s}",
             "--backend-config=python,shm-default-byte-size=4194304",
             "--backend-config=python,shm-growth-byte-size=4194304",
+            *self._auth_args(),
             *o.extra_args,
         ]
+
+    def _auth_args(self) -> list[str]:
+        key = self.options.api_key
+        if not key:
+            return []
+        if any(c in key for c in ",:= \t\n"):
+            raise ServerError("the API key must not contain ',', ':', '=' or whitespace")
+        rule = f"{','.join(RESTRICTED_APIS)}:{API_KEY_HEADER}={key}"
+        return [f"--http-restricted-api={rule}", f"--grpc-restricted-protocol={rule}"]
 
     def start(self) -> None:
         self._shm_before = set(os.listdir(SHM_DIR))
@@ -227,13 +245,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--metrics-port", type=int,
                     default=int(os.environ.get("LLM_METRICS_PORT", 8002)))
     ap.add_argument("--engine", type=Path, default=None, help="engine directory")
+    ap.add_argument("--api-key", default=os.environ.get("LLM_API_KEY"),
+                    help=f"require this key in the {API_KEY_HEADER} header (HTTP and gRPC) for "
+                         "inference and control APIs; health stays open")
     ap.add_argument("--model-repository", type=Path, default=PROJECT_ROOT / "model_repository")
     ap.add_argument("extra", nargs="*", help="extra tritonserver arguments (after --)")
     args = ap.parse_args(argv)
     opts = ServerOptions(
         model_repository=args.model_repository, host=args.host, http_port=args.http_port,
         grpc_port=args.grpc_port, metrics_port=args.metrics_port, engine_dir=args.engine,
-        extra_args=tuple(args.extra),
+        api_key=args.api_key, extra_args=tuple(args.extra),
     )
     server = TritonServer(opts)
     stopping = False
@@ -266,13 +287,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _banner(o: ServerOptions) -> str:
+    auth = f"-H '{API_KEY_HEADER}: <key>' " if o.api_key else ""
+    note = (f"  auth     HTTP header {API_KEY_HEADER}, gRPC metadata {GRPC_API_KEY_HEADER}"
+            " (health stays open)\n") if o.api_key else ""
     return f"""
 [serve] ready
   HTTP     {o.http_url}   (/v2/models/ensemble/generate, /generate_stream)
   gRPC     {o.host}:{o.grpc_port}
   metrics  {o.metrics_url}
-  try:
-    curl -s -X POST {o.http_url}/v2/models/ensemble/generate \\
+{note}  try:
+    curl -s -X POST {o.http_url}/v2/models/ensemble/generate {auth}\\
       -d '{{"text_input": "The capital of France is", "max_tokens": 16}}'
   Ctrl-C stops the server.
 """
