@@ -116,6 +116,10 @@ class TritonServer:
             f"--exit-timeout-secs={o.exit_timeout_s}",
             "--backend-config=python,shm-default-byte-size=4194304",
             "--backend-config=python,shm-growth-byte-size=4194304",
+            # gRPC metadata x-tenant becomes the request parameter `x-tenant` (rate limits).
+            # (Triton 2.51 forwards HTTP headers for /infer only, not /generate.)
+            "--http-header-forward-pattern=^x-tenant$",
+            "--grpc-header-forward-pattern=^x-tenant$",
             *self._auth_args(),
             *o.extra_args,
         ]

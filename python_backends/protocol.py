@@ -17,6 +17,7 @@ import numpy as np
 
 from python_backends.config import EngineLimits
 from python_backends.engine.sequence import SamplingParams
+from python_backends.scheduler.admission import DEFAULT_TENANT
 
 DEFAULT_MAX_TOKENS = 64
 MAX_CHARS_PER_TOKEN = 64  # generous: real text averages 3-5
@@ -34,6 +35,7 @@ class GenerationRequest:
     params: SamplingParams
     stream: bool = False
     exclude_input_in_output: bool = False
+    tenant: str = DEFAULT_TENANT
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -50,6 +52,7 @@ class GenerationRequest:
             params=SamplingParams(**p),
             stream=d["stream"],
             exclude_input_in_output=d["exclude_input_in_output"],
+            tenant=d["tenant"],
         )
 
 
@@ -78,6 +81,10 @@ KNOWN_INPUTS = frozenset(("text_input", *SCALAR_INPUTS, *WORD_LIST_INPUTS))
 # Triton itself sets pass; any other is a client mistake such as a misspelt input name.
 TRITON_PARAMETERS = frozenset(("sequence_id", "sequence_start", "sequence_end"))
 TRITON_PARAMETER_PREFIX = "triton_"
+# The tenant (for rate limits) comes as the request parameter `tenant` (a top-level key of a
+# /generate body), or as gRPC metadata x-tenant, which the launcher has Triton forward.
+TENANT_PARAMETERS = ("tenant", "x-tenant")
+MAX_TENANT_LEN = 64
 
 # (text, add_special_tokens) -> token ids
 Tokenize = Callable[[str, bool], list[int]]
@@ -126,6 +133,8 @@ def parse_request(
     if unknown:
         raise InvalidRequest(unknown[0], f"unknown input; known inputs: {sorted(KNOWN_INPUTS)}")
     for name in sorted(parameters):
+        if name in TENANT_PARAMETERS:
+            continue
         if name not in TRITON_PARAMETERS and not name.startswith(TRITON_PARAMETER_PREFIX):
             raise InvalidRequest(
                 name, f"unknown input or parameter; known inputs: {sorted(KNOWN_INPUTS)}"
@@ -213,7 +222,21 @@ def parse_request(
         params=params,
         stream=v.get("stream", False),
         exclude_input_in_output=v.get("exclude_input_in_output", False),
+        tenant=_tenant(parameters),
     )
+
+
+def _tenant(parameters: Mapping[str, Any]) -> str:
+    for name in TENANT_PARAMETERS:
+        if name in parameters:
+            value = parameters[name]
+            if (not isinstance(value, str) or not value or len(value) > MAX_TENANT_LEN
+                    or not value.isprintable()):
+                raise InvalidRequest(
+                    name, f"must be a printable string of 1-{MAX_TENANT_LEN} characters"
+                )
+            return value
+    return DEFAULT_TENANT
 
 
 def _word_list(

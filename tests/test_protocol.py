@@ -77,6 +77,16 @@ def test_invalid_inputs_name_the_field(inputs: dict[str, np.ndarray], field: str
     assert e.value.field == field and f"'{field}'" in str(e.value)
 
 
+def test_tenant_from_parameter_or_forwarded_header() -> None:
+    assert parse(text_input=text("x")).tenant == "default"
+    assert parse({"tenant": "acme"}, text_input=text("x")).tenant == "acme"
+    assert parse({"x-tenant": "beta"}, text_input=text("x")).tenant == "beta"
+    for bad in ("", 7, "x" * 65, "a\nb"):
+        with pytest.raises(InvalidRequest) as e:
+            parse({"tenant": bad}, text_input=text("x"))
+        assert e.value.field == "tenant"
+
+
 def test_unknown_parameters_are_refused_but_triton_ones_pass() -> None:
     ok = parse({"triton_enable_empty_final_response": True, "sequence_id": 0},
                text_input=text("x"))

@@ -63,6 +63,24 @@ class RequestMetrics:
         )
 
 
+class AdmissionMetrics:
+    """Requests refused at the front door, by reason and tenant."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self._rejected: dict[tuple[str, str], Metric] = {}
+
+    def rejected(self, reason: str, tenant: str) -> None:
+        metric = self._rejected.get((reason, tenant))
+        if metric is None:
+            metric = self._rejected[(reason, tenant)] = _metric(
+                "llm_requests_rejected_total", "Requests refused by admission control",
+                pb_utils.MetricFamily.COUNTER,
+                {"model": self.model, "reason": reason, "tenant": tenant},
+            )
+        metric.increment(1)
+
+
 _families: dict[str, Any] = {}
 # The stub's metric calls are not thread-safe: concurrent updates from request threads corrupt
 # the message the server reads and crash tritonserver (seen with 10 concurrent requests).

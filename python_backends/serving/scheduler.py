@@ -16,6 +16,13 @@ import triton_python_backend_utils as pb_utils
 
 from python_backends.cancel_board import BoardFull, CancelBoard
 from python_backends.protocol import GenerationRequest
+from python_backends.scheduler.admission import (
+    AdmissionControl,
+    AdmissionLimits,
+    RateLimiter,
+    Rejected,
+    parse_rate_limits,
+)
 from python_backends.scheduler.stream import Chunk, RequestStream
 from python_backends.serving.common import (
     FINAL,
@@ -25,7 +32,7 @@ from python_backends.serving.common import (
     inputs_of,
     tensor,
 )
-from python_backends.serving.metrics import RequestMetrics
+from python_backends.serving.metrics import AdmissionMetrics, RequestMetrics
 
 log = logging.getLogger(__name__)
 ENGINE_OUTPUTS = [
@@ -58,6 +65,16 @@ class SchedulerModel:
         self.worker_model = margs.param("worker_model", "worker")
         self.board = CancelBoard.create()
         self.metrics = RequestMetrics(margs.model_name)
+        self.admission_metrics = AdmissionMetrics(margs.model_name)
+        self.admission = AdmissionControl(AdmissionLimits(
+            max_waiting_requests=margs.int_param("max_waiting_requests", 256),
+            max_waiting_tokens=margs.int_param("max_waiting_tokens", 65536),
+        ))
+        try:
+            limits = parse_rate_limits(margs.param("rate_limits"))
+        except ValueError as e:
+            raise pb_utils.TritonModelException(f"scheduler: bad rate_limits: {e}") from None
+        self.rate_limiter = RateLimiter(limits)
         self.pool = ThreadPoolExecutor(
             max_workers=margs.int_param("max_concurrent_requests", 1024),
             thread_name_prefix="request",
@@ -84,9 +101,19 @@ class SchedulerModel:
         state = RequestStream(
             req.prompt_ids, req.stream, req.exclude_input_in_output, req.params.return_log_probs
         )
+        prompt_tokens = len(req.prompt_ids)
+        try:
+            self.rate_limiter.check(req.tenant, prompt_tokens + req.params.max_tokens)
+            self.admission.enter(prompt_tokens)
+        except Rejected as e:
+            self.admission_metrics.rejected(e.reason.value, req.tenant)
+            sender.send(error_response(str(e), pb_utils.TritonError.UNAVAILABLE), flags=FINAL)
+            return
+        waiting = True
         try:
             ticket = self.board.acquire()
         except BoardFull as e:
+            self.admission.leave(prompt_tokens)
             sender.send(error_response(f"server overloaded: {e}",
                                        pb_utils.TritonError.UNAVAILABLE), flags=FINAL)
             return
@@ -104,6 +131,9 @@ class SchedulerModel:
                 requested_output_names=ENGINE_OUTPUTS,
             )
             for response in bls.exec(decoupled=True):
+                if waiting:  # the first response (a token, an error or the end) ends the wait
+                    waiting = False
+                    self.admission.leave(prompt_tokens)
                 if response.has_error():  # keeps the engine's code: a refusal is the client's
                     error = response.error()
                     sender.send(error_response(error.message(), error.code()), flags=FINAL)
@@ -125,6 +155,8 @@ class SchedulerModel:
                     sender.send(chunk_response(chunk, self.board.name, ticket), flags=flags)
         finally:
             self.board.release(ticket)
+            if waiting:
+                self.admission.leave(prompt_tokens)
         if cancelled or not state.finish_reason:
             sender.send(flags=FINAL)  # the client went away or the engine ended without a chunk
             return

@@ -1,12 +1,18 @@
-"""README's serve command: scripts/serve.sh comes up (here with --api-key), answers, enforces
-the key on HTTP and gRPC while health stays open, and stops cleanly on SIGTERM."""
+"""README's serve command: scripts/serve.sh comes up (here with --api-key and a repository whose
+scheduler has tight admission limits), answers, enforces the key on HTTP and gRPC while health
+stays open, refuses overload and rate-limited tenants with clear errors while serving others, and
+stops cleanly on SIGTERM."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
+import shutil
 import signal
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +20,9 @@ import numpy as np
 import pytest
 import requests
 import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
 
+from python_backends.client import scrape
 from python_backends.launcher import API_KEY_HEADER, GRPC_API_KEY_HEADER, SHM_DIR, free_port
 
 pytestmark = pytest.mark.e2e
@@ -54,7 +62,9 @@ def _grpc_generate(port: int, headers: dict[str, str]) -> str:
         t = grpcclient.InferInput(name, list(value.shape), dtype)
         t.set_data_from_numpy(value)
         inputs.append(t)
-    client.async_stream_infer("ensemble", inputs)
+    # A refused stream may already be closed here; the callback has the reason either way.
+    with contextlib.suppress(InferenceServerException):
+        client.async_stream_infer("ensemble", inputs)
     client.stop_stream()
     client.close()
     return "".join(out)
@@ -69,13 +79,60 @@ def _running(pid: int) -> bool:
     return state != "Z"
 
 
+def _tight_repository(tmp_path: Path) -> Path:
+    repo = tmp_path / "model_repository"
+    shutil.copytree(ROOT / "model_repository", repo)
+    config = repo / "scheduler" / "config.pbtxt"
+    text = config.read_text()
+    for key, value in {
+        "max_waiting_requests": "2",
+        "rate_limits": '{\\"limited\\": {\\"requests_per_s\\": 0.1, \\"burst_requests\\": 1}}',
+    }.items():
+        pattern = rf'(key: "{key}" value: {{ string_value: )"[^"]*"'
+        replacement = f'\\g<1>"{value.replace(chr(92), chr(92) * 2)}"'
+        text, n = re.subn(pattern, replacement, text)
+        assert n == 1, key
+    config.write_text(text)
+    return repo
+
+
+def _post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    r = requests.post(url, json=body, headers={API_KEY_HEADER: KEY}, timeout=300)
+    return r.status_code, r.json()
+
+
+def _check_admission(url: str, grpc_port: int, metrics_url: str) -> None:
+    short: dict[str, Any] = {"text_input": "Hello", "max_tokens": 4}
+    assert _post(url, {**short, "tenant": "limited"})[0] == 200  # its burst of one
+    status, out = _post(url, {**short, "tenant": "limited"})
+    assert status >= 400 and "rate limited" in out["error"] and "'limited'" in out["error"]
+    grpc_out = _grpc_generate(grpc_port, {GRPC_API_KEY_HEADER: KEY, "x-tenant": "limited"})
+    assert "rate limited" in grpc_out  # the same tenant through gRPC metadata
+    assert _post(url, {**short, "tenant": "other"})[0] == 200  # other tenants unaffected
+
+    long_prompt: dict[str, Any] = {"text_input": "word " * 1500, "max_tokens": 4}
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda _: _post(url, long_prompt), range(8)))
+    refused = [out["error"] for status, out in results if status != 200]
+    assert refused and all("server overloaded" in e for e in refused)
+    assert len(refused) < 8
+    assert _post(url, short)[0] == 200  # still serving
+    metrics = scrape(metrics_url)
+    rejected = metrics["llm_requests_rejected_total"]
+    assert rejected[frozenset({("model", "scheduler"), ("reason", "rate_limited"),
+                               ("tenant", "limited")})] == 2
+    assert rejected[frozenset({("model", "scheduler"), ("reason", "overloaded"),
+                               ("tenant", "default")})] == len(refused)
+
+
 def test_serve_script_starts_answers_and_stops_cleanly(tmp_path: Path) -> None:
     ports = [free_port() for _ in range(3)]
     shm_before = set(os.listdir(SHM_DIR))
     log = (tmp_path / "serve.log").open("w")
     proc = subprocess.Popen(
         ["bash", str(ROOT / "scripts" / "serve.sh"), "--http-port", str(ports[0]),
-         "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]), "--api-key", KEY],
+         "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]), "--api-key", KEY,
+         "--model-repository", str(_tight_repository(tmp_path))],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
     try:
@@ -98,6 +155,7 @@ def test_serve_script_starts_answers_and_stops_cleanly(tmp_path: Path) -> None:
         assert "restricted" in _grpc_generate(ports[1], {})
         assert "restricted" in _grpc_generate(ports[1], {GRPC_API_KEY_HEADER: "wrong"})
         assert "Paris" in _grpc_generate(ports[1], {GRPC_API_KEY_HEADER: KEY})
+        _check_admission(url, ports[1], f"http://127.0.0.1:{ports[2]}/metrics")
         stubs = _descendants(proc.pid)
         assert len(stubs) >= 5  # tritonserver and its model stubs
         proc.send_signal(signal.SIGTERM)
