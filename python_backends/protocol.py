@@ -36,6 +36,7 @@ class GenerationRequest:
     stream: bool = False
     exclude_input_in_output: bool = False
     tenant: str = DEFAULT_TENANT
+    priority: int = 0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -53,6 +54,7 @@ class GenerationRequest:
             stream=d["stream"],
             exclude_input_in_output=d["exclude_input_in_output"],
             tenant=d["tenant"],
+            priority=d["priority"],
         )
 
 
@@ -74,7 +76,9 @@ SCALAR_INPUTS: dict[str, str] = {
     "frequency_penalty": _FLOAT,
     "exclude_input_in_output": _BOOL,
     "return_log_probs": _BOOL,
+    "priority": _INT,
 }
+MAX_PRIORITY = 9  # priorities are 0 (default, lowest) .. 9
 WORD_LIST_INPUTS = ("stop_words", "bad_words")
 KNOWN_INPUTS = frozenset(("text_input", *SCALAR_INPUTS, *WORD_LIST_INPUTS))
 # Request parameters (HTTP /generate turns unknown top-level JSON keys into parameters): those
@@ -133,7 +137,7 @@ def parse_request(
     if unknown:
         raise InvalidRequest(unknown[0], f"unknown input; known inputs: {sorted(KNOWN_INPUTS)}")
     for name in sorted(parameters):
-        if name in TENANT_PARAMETERS:
+        if name in TENANT_PARAMETERS or name == "priority":
             continue
         if name not in TRITON_PARAMETERS and not name.startswith(TRITON_PARAMETER_PREFIX):
             raise InvalidRequest(
@@ -223,7 +227,16 @@ def parse_request(
         stream=v.get("stream", False),
         exclude_input_in_output=v.get("exclude_input_in_output", False),
         tenant=_tenant(parameters),
+        priority=_priority(v, parameters),
     )
+
+
+def _priority(values: Mapping[str, Any], parameters: Mapping[str, Any]) -> int:
+    """From the `priority` input, else the `priority` request parameter; 0 .. MAX_PRIORITY."""
+    value = values.get("priority", parameters.get("priority", 0))
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_PRIORITY:
+        raise InvalidRequest("priority", f"must be an integer 0-{MAX_PRIORITY}, got {value!r}")
+    return value
 
 
 def _tenant(parameters: Mapping[str, Any]) -> str:

@@ -87,6 +87,16 @@ def test_tenant_from_parameter_or_forwarded_header() -> None:
         assert e.value.field == "tenant"
 
 
+def test_priority_from_input_or_parameter() -> None:
+    assert parse(text_input=text("x")).priority == 0
+    assert parse(text_input=text("x"), priority=i32(7)).priority == 7
+    assert parse({"priority": 3}, text_input=text("x")).priority == 3
+    for bad in (10, -1, "high", True):
+        with pytest.raises(InvalidRequest) as e:
+            parse({"priority": bad}, text_input=text("x"))
+        assert e.value.field == "priority"
+
+
 def test_unknown_parameters_are_refused_but_triton_ones_pass() -> None:
     ok = parse({"triton_enable_empty_final_response": True, "sequence_id": 0},
                text_input=text("x"))

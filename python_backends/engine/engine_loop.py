@@ -21,6 +21,8 @@ class _Add:
     seq_id: str
     prompt_ids: list[int]
     params: SamplingParams
+    priority: int
+    tenant: str
 
 
 @dataclass(frozen=True)
@@ -62,8 +64,11 @@ class EngineLoop:
         self._inbox.put(None)
         self._thread.join(timeout)
 
-    def submit(self, seq_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        self._inbox.put(_Add(seq_id, prompt_ids, params))
+    def submit(
+        self, seq_id: str, prompt_ids: list[int], params: SamplingParams,
+        priority: int = 0, tenant: str = "default",
+    ) -> None:
+        self._inbox.put(_Add(seq_id, prompt_ids, params, priority, tenant))
 
     def abort(self, seq_id: str) -> None:
         self._inbox.put(_Abort(seq_id))
@@ -83,7 +88,9 @@ class EngineLoop:
     def _apply(self, msg: _Add | _Abort) -> None:
         if isinstance(msg, _Add):
             try:
-                self.engine.add_request(msg.seq_id, msg.prompt_ids, msg.params)
+                self.engine.add_request(
+                    msg.seq_id, msg.prompt_ids, msg.params, msg.priority, msg.tenant
+                )
             except ValueError as e:
                 self._on_finished_early(msg.seq_id, e)
         elif self.engine.abort(msg.seq_id) is not None:

@@ -12,6 +12,7 @@ from python_backends.engine.model_runner import ModelRunner
 from python_backends.engine.sampler import SampleResult, sample
 from python_backends.engine.scheduler import Scheduler
 from python_backends.engine.sequence import FinishReason, SamplingParams, Sequence
+from python_backends.engine.waiting_queue import WaitingQueue
 from python_backends.models.llama import LlamaForCausalLM
 
 
@@ -33,30 +34,33 @@ class EngineStats:
     kv_blocks_total: int
     num_running: int
     num_waiting: int
+    num_preemptions: int  # since start
 
 
 class LLMEngine:
     def __init__(
         self, config: EngineConfig, model: LlamaForCausalLM, num_kv_blocks: int,
-        enable_chunked_prefill: bool = True,
+        enable_chunked_prefill: bool = True, waiting: WaitingQueue | None = None,
     ) -> None:
         self.config = config
         self.blocks = BlockManager(num_kv_blocks, config.limits.block_size)
-        self.scheduler = Scheduler(config.limits, self.blocks, enable_chunked_prefill)
+        self.scheduler = Scheduler(config.limits, self.blocks, enable_chunked_prefill, waiting)
         self.runner = ModelRunner(model, num_kv_blocks, config.limits.block_size)
 
     @classmethod
     def from_engine_dir(
-        cls, engine_dir: str | Path, num_kv_blocks: int, enable_chunked_prefill: bool = True
+        cls, engine_dir: str | Path, num_kv_blocks: int, enable_chunked_prefill: bool = True,
+        waiting: WaitingQueue | None = None,
     ) -> LLMEngine:
         config = EngineConfig.load(engine_dir)
         model = load_model(engine_dir, config)
-        return cls(config, model, num_kv_blocks, enable_chunked_prefill)
+        return cls(config, model, num_kv_blocks, enable_chunked_prefill, waiting)
 
     def add_request(
-        self, seq_id: str, prompt_ids: list[int], params: SamplingParams
+        self, seq_id: str, prompt_ids: list[int], params: SamplingParams,
+        priority: int = 0, tenant: str = "default",
     ) -> Sequence:
-        seq = Sequence(seq_id, list(prompt_ids), params)
+        seq = Sequence(seq_id, list(prompt_ids), params, priority=priority, tenant=tenant)
         self.scheduler.add(seq)
         return seq
 
@@ -93,5 +97,6 @@ class LLMEngine:
             kv_blocks_total=self.blocks.num_blocks,
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
+            num_preemptions=self.scheduler.num_preemptions,
         )
 

@@ -9,6 +9,7 @@ generated tokens, so it later resumes with the same output.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass
 
@@ -16,6 +17,7 @@ from python_backends.config import EngineLimits
 from python_backends.engine.block_manager import BlockManager
 from python_backends.engine.sampler import SampleResult
 from python_backends.engine.sequence import FinishReason, Sequence, SequenceStatus
+from python_backends.engine.waiting_queue import FcfsQueue, WaitingQueue
 
 
 @dataclass(frozen=True)
@@ -45,13 +47,16 @@ class RequestTooLarge(ValueError):
 
 class Scheduler:
     def __init__(
-        self, limits: EngineLimits, blocks: BlockManager, enable_chunked_prefill: bool = True
+        self, limits: EngineLimits, blocks: BlockManager, enable_chunked_prefill: bool = True,
+        waiting: WaitingQueue | None = None,
     ) -> None:
         self.limits = limits
         self.blocks = blocks
         self.enable_chunked_prefill = enable_chunked_prefill
-        self.waiting: deque[Sequence] = deque()
+        self.waiting: WaitingQueue = waiting if waiting is not None else FcfsQueue()
         self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self._arrivals = itertools.count()
 
     @property
     def has_unfinished(self) -> bool:
@@ -64,24 +69,31 @@ class Scheduler:
                 f"prompt plus max_tokens ({longest} tokens) needs more KV blocks than the engine "
                 f"has ({self.blocks.num_blocks} of {self.blocks.block_size} tokens)"
             )
-        self.waiting.append(seq)
+        seq.arrival = next(self._arrivals)
+        self.waiting.push(seq)
 
     def abort(self, seq_id: str) -> Sequence | None:
         """Finish a sequence wherever it is, freeing its blocks. Returns it if it was known."""
-        for queue in (self.waiting, self.running):
-            for seq in queue:
-                if seq.seq_id == seq_id:
-                    queue.remove(seq)
-                    self._finish(seq, FinishReason.CANCELLED)
-                    return seq
+        for seq in self.running:
+            if seq.seq_id == seq_id:
+                self.running.remove(seq)
+                self._finish(seq, FinishReason.CANCELLED)
+                return seq
+        for seq in self.waiting:
+            if seq.seq_id == seq_id:
+                self.waiting.remove(seq)
+                self._finish(seq, FinishReason.CANCELLED)
+                return seq
         return None
 
     def schedule(self) -> SchedulerOutput:
         budget = self.limits.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
-        preempted: list[Sequence] = []
+        outranked = self._preempt_for_priority()
+        preempted: list[Sequence] = []  # for lack of blocks
         running: list[Sequence] = []
-        queue = deque(self.running)
+        # Most important first, so the victims of a block shortage are the least important.
+        queue = deque(sorted(self.running, key=lambda s: (-s.priority, s.arrival)))
         while queue and budget > 0:
             seq = queue.popleft()
             n = min(seq.num_uncomputed_tokens, budget)
@@ -99,26 +111,50 @@ class Scheduler:
             running.append(seq)
             budget -= n
         running.extend(queue)  # budget ran out: they keep their place and run next step
-        if not preempted:
-            while self.waiting and budget > 0 and len(running) < self.limits.max_num_seqs:
-                seq = self.waiting[0]
-                n = min(seq.num_uncomputed_tokens, budget)
-                chunked = n < seq.num_uncomputed_tokens
+        if not preempted:  # after a block shortage, admitting more would only thrash
+            while budget > 0 and len(running) < self.limits.max_num_seqs:
+                head = self.waiting.peek()
+                if head is None:
+                    break
+                n = min(head.num_uncomputed_tokens, budget)
+                chunked = n < head.num_uncomputed_tokens
                 if chunked and scheduled and not self.enable_chunked_prefill:
                     break
-                need = self._blocks_needed(seq, n)
+                need = self._blocks_needed(head, n)
                 if not self.blocks.can_allocate(need):
                     break
-                self.waiting.popleft()
-                seq.block_table.extend(self.blocks.allocate(need))
-                seq.status = SequenceStatus.RUNNING
-                scheduled.append(ScheduledSequence(seq, n))
-                running.append(seq)
+                self.waiting.pop()
+                head.block_table.extend(self.blocks.allocate(need))
+                head.status = SequenceStatus.RUNNING
+                scheduled.append(ScheduledSequence(head, n))
+                running.append(head)
                 budget -= n
         self.running = running
+        preempted = outranked + preempted
         for victim in reversed(preempted):
-            self.waiting.appendleft(victim)
+            self.waiting.push_front(victim)
+        self.num_preemptions += len(preempted)
         return SchedulerOutput(tuple(scheduled), tuple(preempted))
+
+    def _preempt_for_priority(self) -> list[Sequence]:
+        """Make room for a waiting sequence that outranks running ones: while it cannot be
+        admitted (batch full, or too few free blocks for its next chunk), preempt the least
+        important running sequence below its priority. The victims' blocks are freed here."""
+        victims: list[Sequence] = []
+        head = self.waiting.peek()
+        if head is None:
+            return victims
+        while True:
+            lower = [s for s in self.running if s.priority < head.priority]
+            chunk = min(head.num_uncomputed_tokens, self.limits.max_num_batched_tokens)
+            fits = (len(self.running) < self.limits.max_num_seqs
+                    and self.blocks.can_allocate(self._blocks_needed(head, chunk)))
+            if fits or not lower:
+                return victims
+            victim = min(lower, key=lambda s: (s.priority, -s.arrival))
+            self.running.remove(victim)
+            self._preempt(victim)
+            victims.append(victim)
 
     def update(self, out: SchedulerOutput, result: SampleResult) -> list[Sequence]:
         """Advance computed counts and append sampled tokens (in `out` order of the sampling

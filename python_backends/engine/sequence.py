@@ -63,6 +63,9 @@ class Sequence:
     seq_id: str
     prompt_ids: list[int]
     params: SamplingParams
+    priority: int = 0  # higher is admitted first and preempted last
+    tenant: str = "default"
+    arrival: int = 0  # admission order, set by the scheduler
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     num_computed_tokens: int = 0

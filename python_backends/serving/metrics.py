@@ -37,6 +37,11 @@ class EngineMetrics:
         self.waiting = _metric(
             "llm_num_requests_waiting", "Sequences waiting for admission", g, labels
         )
+        self.preemptions = _metric(
+            "llm_num_preemptions_total", "Sequences preempted (recomputed later)",
+            pb_utils.MetricFamily.COUNTER, labels,
+        )
+        self._preemptions_published = 0
 
     def publish(self, stats: EngineStats) -> None:
         self.blocks_used.set(stats.kv_blocks_used)
@@ -44,6 +49,9 @@ class EngineMetrics:
         self.usage.set(stats.kv_blocks_used / stats.kv_blocks_total)
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
+        if stats.num_preemptions > self._preemptions_published:
+            self.preemptions.increment(stats.num_preemptions - self._preemptions_published)
+            self._preemptions_published = stats.num_preemptions
 
 
 class RequestMetrics:

@@ -3,6 +3,7 @@ every step sends each sequence's new token back to the caller (the scheduler, ov
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import threading
@@ -19,6 +20,7 @@ import triton_python_backend_utils as pb_utils
 from python_backends.cancel_board import BoardCache, CancelBoard
 from python_backends.engine.engine_loop import EngineLoop
 from python_backends.engine.llm_engine import LLMEngine, TokenEvent
+from python_backends.engine.waiting_queue import PriorityFairQueue
 from python_backends.protocol import GenerationRequest
 from python_backends.serving.common import (
     FINAL,
@@ -91,10 +93,16 @@ class Outbox:
 class WorkerModel:
     def initialize(self, args: dict[str, str]) -> None:
         margs = ModelArgs(args)
+        try:
+            weights = {k: float(v) for k, v in json.loads(margs.param("tenant_weights", "{}"))
+                       .items()}
+        except (ValueError, AttributeError) as e:
+            raise pb_utils.TritonModelException(f"worker: bad tenant_weights: {e}") from None
         engine = LLMEngine.from_engine_dir(
             margs.engine_dir(),
             num_kv_blocks=margs.int_param("kv_cache_blocks", 1024),
             enable_chunked_prefill=margs.param("enable_chunked_prefill", "true") == "true",
+            waiting=PriorityFairQueue(weights),
         )
         self.metrics = EngineMetrics(margs.model_name, margs.instance_name)
         self._pending: dict[str, _Pending] = {}
@@ -127,7 +135,7 @@ class WorkerModel:
                 continue
             seq_id = uuid.uuid4().hex
             self._pending[seq_id] = _Pending(sender, len(req.prompt_ids), board, ticket)
-            self.loop.submit(seq_id, req.prompt_ids, req.params)
+            self.loop.submit(seq_id, req.prompt_ids, req.params, req.priority, req.tenant)
         return None
 
     def _on_tokens(self, events: list[TokenEvent]) -> None:

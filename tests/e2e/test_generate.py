@@ -90,6 +90,14 @@ def test_16_in_flight_equal_single_request_outputs(server: Server, reference: Re
     assert server.wait_idle() == 0
 
 
+def test_priority_and_tenant_do_not_change_greedy_output(
+    server: Server, reference: Reference
+) -> None:
+    prompt = PROMPTS[0]
+    out = server.client.generate(prompt, priority=9, tenant="acme", **GREEDY)
+    assert as_list(out["output_ids"]) == reference.outputs[prompt]
+
+
 def test_sampling_parameters_are_applied(server: Server) -> None:
     prompt = "Once upon a time"
     a = server.client.generate(prompt, max_tokens=16, temperature=1.0, top_k=50, seed=7,

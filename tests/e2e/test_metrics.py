@@ -14,7 +14,7 @@ def test_metrics_present_and_moving(server: Server) -> None:
     before = server.metrics()
     for name in ("llm_kv_cache_blocks_used", "llm_kv_cache_blocks_total",
                  "llm_kv_cache_usage_ratio", "llm_num_requests_running",
-                 "llm_num_requests_waiting"):
+                 "llm_num_requests_waiting", "llm_num_preemptions_total"):
         labels = {dict(k)["instance"] for k in before[name]}
         assert labels == {"worker_0_0"}, name
     assert metric_sum(before, "llm_kv_cache_blocks_total") == 1024
