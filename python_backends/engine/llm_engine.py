@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +27,7 @@ class TokenEvent:
     finish_reason: FinishReason | None
     num_prompt_tokens: int
     num_output_tokens: int
+    queue_time: float | None = None  # with a sequence's first token: seconds it waited
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,8 @@ class EngineStats:
     num_running: int
     num_waiting: int
     num_preemptions: int  # since start
+    running_by_priority: dict[int, int]
+    waiting_by_priority: dict[int, int]
 
 
 class LLMEngine:
@@ -87,6 +91,7 @@ class LLMEngine:
                 finish_reason=s.finish_reason,
                 num_prompt_tokens=s.num_prompt_tokens,
                 num_output_tokens=s.num_output_tokens,
+                queue_time=s.queue_time if s.num_output_tokens == 1 else None,
             )
             for s in seqs
         ]
@@ -98,5 +103,7 @@ class LLMEngine:
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             num_preemptions=self.scheduler.num_preemptions,
+            running_by_priority=dict(Counter(s.priority for s in self.scheduler.running)),
+            waiting_by_priority=dict(Counter(s.priority for s in self.scheduler.waiting)),
         )
 

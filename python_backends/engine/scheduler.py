@@ -10,6 +10,7 @@ generated tokens, so it later resumes with the same output.
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -126,6 +127,8 @@ class Scheduler:
                 self.waiting.pop()
                 head.block_table.extend(self.blocks.allocate(need))
                 head.status = SequenceStatus.RUNNING
+                if head.queue_time is None:
+                    head.queue_time = time.monotonic() - head.arrival_time
                 scheduled.append(ScheduledSequence(head, n))
                 running.append(head)
                 budget -= n

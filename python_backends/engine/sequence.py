@@ -8,6 +8,7 @@ a whole prompt, a chunk of one, a recompute after preemption, or one token while
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -66,6 +67,8 @@ class Sequence:
     priority: int = 0  # higher is admitted first and preempted last
     tenant: str = "default"
     arrival: int = 0  # admission order, set by the scheduler
+    arrival_time: float = field(default_factory=time.monotonic)
+    queue_time: float | None = None  # arrival to first scheduled step, set by the scheduler
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     num_computed_tokens: int = 0

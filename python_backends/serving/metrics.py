@@ -42,6 +42,21 @@ class EngineMetrics:
             pb_utils.MetricFamily.COUNTER, labels,
         )
         self._preemptions_published = 0
+        self.queue_time = _metric(
+            "llm_request_queue_time_seconds", "Time a sequence waited before its first step",
+            pb_utils.MetricFamily.HISTOGRAM, labels, LATENCY_BUCKETS,
+        )
+        self._labels = labels
+        self._by_priority: dict[tuple[str, int], Metric] = {}
+
+    def _priority_gauge(self, state: str, priority: int) -> Metric:
+        metric = self._by_priority.get((state, priority))
+        if metric is None:
+            metric = self._by_priority[(state, priority)] = _metric(
+                f"llm_num_requests_{state}_by_priority", f"Sequences {state}, per priority",
+                pb_utils.MetricFamily.GAUGE, {**self._labels, "priority": str(priority)},
+            )
+        return metric
 
     def publish(self, stats: EngineStats) -> None:
         self.blocks_used.set(stats.kv_blocks_used)
@@ -49,6 +64,10 @@ class EngineMetrics:
         self.usage.set(stats.kv_blocks_used / stats.kv_blocks_total)
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
+        for state, counts in (("running", stats.running_by_priority),
+                              ("waiting", stats.waiting_by_priority)):
+            for priority in {p for s, p in self._by_priority if s == state} | set(counts):
+                self._priority_gauge(state, priority).set(counts.get(priority, 0))
         if stats.num_preemptions > self._preemptions_published:
             self.preemptions.increment(stats.num_preemptions - self._preemptions_published)
             self._preemptions_published = stats.num_preemptions

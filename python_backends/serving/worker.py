@@ -140,6 +140,8 @@ class WorkerModel:
 
     def _on_tokens(self, events: list[TokenEvent]) -> None:
         for ev in events:
+            if ev.queue_time is not None:
+                self.metrics.queue_time.observe(ev.queue_time)
             if ev.finish_reason is None:
                 sender, flags = self._pending[ev.seq_id].sender, 0
             else:

@@ -25,6 +25,10 @@ def test_metrics_present_and_moving(server: Server) -> None:
     tpot = "llm_time_per_output_token_seconds"
     assert metric_sum(after, f"{ttft}_count") == metric_sum(before, f"{ttft}_count") + 1
     assert metric_sum(after, f"{tpot}_count") == metric_sum(before, f"{tpot}_count") + 1
+    queue = "llm_request_queue_time_seconds_count"
+    assert metric_sum(after, queue) == metric_sum(before, queue) + 1
+    by_priority = after["llm_num_requests_running_by_priority"]
+    assert {dict(k)["priority"] for k in by_priority} >= {"0"}
     observed = metric_sum(after, f"{ttft}_sum") - metric_sum(before, f"{ttft}_sum")
     assert 0 < observed <= result.ttft + 0.05  # server-side TTFT within the client's
     assert any(k for k in after[f"{ttft}_bucket"] if ("le", "0.5") in k)
