@@ -156,13 +156,19 @@ def test_serve_script_starts_answers_and_stops_cleanly(tmp_path: Path) -> None:
         assert "restricted" in _grpc_generate(ports[1], {GRPC_API_KEY_HEADER: "wrong"})
         assert "Paris" in _grpc_generate(ports[1], {GRPC_API_KEY_HEADER: KEY})
         _check_admission(url, ports[1], f"http://127.0.0.1:{ports[2]}/metrics")
+        assert len(_descendants(proc.pid)) >= 5  # tritonserver and its model stubs
         stubs = _descendants(proc.pid)
-        assert len(stubs) >= 5  # tritonserver and its model stubs
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(90) == 0
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        if proc.poll() is None:  # the test failed midway: stop the server the graceful way first
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(90)
+            except subprocess.TimeoutExpired:
+                for pid in _descendants(proc.pid) | {proc.pid}:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
         log.close()
     time.sleep(1)
     alive = [p for p in stubs if _running(p)]
