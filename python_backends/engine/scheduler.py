@@ -1,10 +1,12 @@
 """The engine's batch scheduler: which sequences compute how many tokens in the next step.
 
-Running sequences go first (their next token or next prompt chunk), then waiting ones are
-admitted while the step's token budget, the batch size and the free KV blocks allow. When a
-running sequence needs a block and none is free, the most recently admitted sequence is
-preempted by recompute: its blocks are freed and it returns to the front of the queue with its
-generated tokens, so it later resumes with the same output.
+Running sequences go first (their next token or next prompt chunk, most important first), then
+waiting ones are admitted in the waiting queue's order (see waiting_queue) while the step's
+token budget, the batch size and the free KV blocks allow. When a running sequence needs a block
+and none is free, the least important running sequence (lowest priority, then most recently
+admitted) is preempted by recompute: its blocks are freed and it returns to the front of its
+queue with its generated tokens, so it later resumes with the same output. A waiting sequence
+that outranks running ones and cannot be admitted preempts the same way.
 """
 
 from __future__ import annotations

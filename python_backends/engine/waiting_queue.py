@@ -42,11 +42,11 @@ class WaitingQueue(abc.ABC):
     @abc.abstractmethod
     def __iter__(self) -> Iterator[Sequence]: ...
 
+    @abc.abstractmethod
+    def __bool__(self) -> bool: ...
+
     def __len__(self) -> int:
         return sum(1 for _ in self)
-
-    def __bool__(self) -> bool:
-        return self.peek() is not None
 
 
 class FcfsQueue(WaitingQueue):
@@ -73,6 +73,9 @@ class FcfsQueue(WaitingQueue):
 
     def __len__(self) -> int:
         return len(self._q)
+
+    def __bool__(self) -> bool:
+        return bool(self._q)
 
 
 class _DeficitRoundRobin:
@@ -176,3 +179,6 @@ class PriorityFairQueue(WaitingQueue):
     def __iter__(self) -> Iterator[Sequence]:
         for priority in sorted(self._classes, reverse=True):
             yield from self._classes[priority]
+
+    def __bool__(self) -> bool:
+        return any(self._classes.values())
