@@ -47,16 +47,7 @@ class EngineMetrics:
             pb_utils.MetricFamily.HISTOGRAM, labels, LATENCY_BUCKETS,
         )
         self._labels = labels
-        self._by_priority: dict[tuple[str, int], Metric] = {}
-
-    def _priority_gauge(self, state: str, priority: int) -> Metric:
-        metric = self._by_priority.get((state, priority))
-        if metric is None:
-            metric = self._by_priority[(state, priority)] = _metric(
-                f"llm_num_requests_{state}_by_priority", f"Sequences {state}, per priority",
-                pb_utils.MetricFamily.GAUGE, {**self._labels, "priority": str(priority)},
-            )
-        return metric
+        self._priorities_seen: dict[str, set[int]] = {"running": set(), "waiting": set()}
 
     def publish(self, stats: EngineStats) -> None:
         self.blocks_used.set(stats.kv_blocks_used)
@@ -66,8 +57,13 @@ class EngineMetrics:
         self.waiting.set(stats.num_waiting)
         for state, counts in (("running", stats.running_by_priority),
                               ("waiting", stats.waiting_by_priority)):
-            for priority in {p for s, p in self._by_priority if s == state} | set(counts):
-                self._priority_gauge(state, priority).set(counts.get(priority, 0))
+            seen = self._priorities_seen[state]
+            seen.update(counts)
+            for priority in seen:  # a class that emptied reads 0, not its last count
+                _metric(
+                    f"llm_num_requests_{state}_by_priority", f"Sequences {state}, per priority",
+                    pb_utils.MetricFamily.GAUGE, {**self._labels, "priority": str(priority)},
+                ).set(counts.get(priority, 0))
         if stats.num_preemptions > self._preemptions_published:
             self.preemptions.increment(stats.num_preemptions - self._preemptions_published)
             self._preemptions_published = stats.num_preemptions
@@ -95,20 +91,17 @@ class AdmissionMetrics:
 
     def __init__(self, model: str) -> None:
         self.model = model
-        self._rejected: dict[tuple[str, str], Metric] = {}
 
     def rejected(self, reason: str, tenant: str) -> None:
-        metric = self._rejected.get((reason, tenant))
-        if metric is None:
-            metric = self._rejected[(reason, tenant)] = _metric(
-                "llm_requests_rejected_total", "Requests refused by admission control",
-                pb_utils.MetricFamily.COUNTER,
-                {"model": self.model, "reason": reason, "tenant": tenant},
-            )
-        metric.increment(1)
+        _metric(
+            "llm_requests_rejected_total", "Requests refused by admission control",
+            pb_utils.MetricFamily.COUNTER,
+            {"model": self.model, "reason": reason, "tenant": tenant},
+        ).increment(1)
 
 
 _families: dict[str, Any] = {}
+_metrics: dict[tuple[str, frozenset[tuple[str, str]]], Metric] = {}
 # The stub's metric calls are not thread-safe: concurrent updates from request threads corrupt
 # the message the server reads and crash tritonserver (seen with 10 concurrent requests).
 _lock = threading.Lock()
@@ -136,12 +129,20 @@ class Metric:
 def _metric(
     name: str, doc: str, kind: Any, labels: dict[str, str], buckets: list[float] | None = None
 ) -> Metric:
+    """The metric of this family and label set, created on first use."""
+    key = (name, frozenset(labels.items()))
     with _lock:
+        metric = _metrics.get(key)
+        if metric is not None:
+            return metric
         family = _families.get(name)
         if family is None:
             family = _families[name] = pb_utils.MetricFamily(
                 name=name, description=doc, kind=kind
             )
         if buckets is not None:
-            return Metric(family.Metric(labels=labels, buckets=buckets))
-        return Metric(family.Metric(labels=labels))
+            metric = Metric(family.Metric(labels=labels, buckets=buckets))
+        else:
+            metric = Metric(family.Metric(labels=labels))
+        _metrics[key] = metric
+        return metric
