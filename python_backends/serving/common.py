@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from python_backends.cancel_board import BoardCache, CancelBoard
 from python_backends.config import DEFAULT_ENGINE_DIR, ENGINE_DIR_ENV
 
 
@@ -44,6 +45,21 @@ class ModelArgs:
 
 def inputs_of(request: Any) -> dict[str, np.ndarray]:
     return {t.name(): t.as_numpy() for t in request.inputs()}
+
+
+def first(inputs: dict[str, np.ndarray], name: str) -> Any:
+    """The single value of a one-element input (whatever its batch shape)."""
+    return inputs[name].reshape(-1)[0]
+
+
+def first_bytes(inputs: dict[str, np.ndarray], name: str) -> bytes:
+    return bytes(first(inputs, name))
+
+
+def cancel_target(inputs: dict[str, np.ndarray], boards: BoardCache) -> tuple[CancelBoard, int]:
+    """The cancel board and ticket the scheduler attached to a request (see cancel_board)."""
+    board = boards.get(first_bytes(inputs, "CANCEL_BOARD").decode())
+    return board, int(first(inputs, "CANCEL_TICKET"))
 
 
 def tensor(name: str, array: np.ndarray) -> Any:

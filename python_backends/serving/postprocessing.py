@@ -13,7 +13,10 @@ from python_backends.detokenizer import incremental_text
 from python_backends.serving.common import (
     ModelArgs,
     bytes_tensor,
+    cancel_target,
     error_response,
+    first,
+    first_bytes,
     inputs_of,
     tensor,
 )
@@ -42,16 +45,16 @@ class PostprocessingModel:
             if request.is_cancelled():
                 # The ensemble marks this step's request when the client went away; tell the
                 # scheduler and the engine through the cancel board (see cancel_board).
-                board = self.boards.get(bytes(inputs["CANCEL_BOARD"].reshape(-1)[0]).decode())
-                board.cancel(int(inputs["CANCEL_TICKET"].reshape(-1)[0]))
+                board, ticket = cancel_target(inputs, self.boards)
+                board.cancel(ticket)
                 responses.append(error_response("cancelled", pb_utils.TritonError.CANCELLED))
                 continue
             tokens = inputs["TOKENS"].reshape(-1).tolist()
-            prefix_len = int(inputs["PREFIX_LEN"].reshape(-1)[0])
+            prefix_len = int(first(inputs, "PREFIX_LEN"))
             text = incremental_text(self.tokenizer, tokens, prefix_len)
             outputs = [
                 bytes_tensor("text_output", [text]),
-                bytes_tensor("finish_reason", [bytes(inputs["FINISH_REASON"].reshape(-1)[0])]),
+                bytes_tensor("finish_reason", [first_bytes(inputs, "FINISH_REASON")]),
             ]
             outputs += [tensor(out, np.ascontiguousarray(inputs[name]))
                         for name, out in PASS_THROUGH.items()]

@@ -29,6 +29,7 @@ from python_backends.serving.common import (
     ModelArgs,
     bytes_tensor,
     error_response,
+    first_bytes,
     inputs_of,
     tensor,
 )
@@ -96,7 +97,7 @@ class SchedulerModel:
 
     def _serve_one(self, request: Any, sender: Any) -> None:
         inputs = inputs_of(request)
-        request_json = bytes(inputs["REQUEST"].reshape(-1)[0])
+        request_json = first_bytes(inputs, "REQUEST")
         req = GenerationRequest.from_json(request_json)
         state = RequestStream(
             req.prompt_ids, req.stream, req.exclude_input_in_output, req.params.return_log_probs

@@ -26,7 +26,9 @@ from python_backends.serving.common import (
     FINAL,
     ModelArgs,
     bytes_tensor,
+    cancel_target,
     error_response,
+    first_bytes,
     inputs_of,
     tensor,
 )
@@ -124,12 +126,11 @@ class WorkerModel:
             sender = request.get_response_sender()
             try:
                 inputs = inputs_of(request)
-                req = GenerationRequest.from_json(bytes(inputs["REQUEST"].reshape(-1)[0]))
-                board, ticket = None, 0
+                req = GenerationRequest.from_json(first_bytes(inputs, "REQUEST"))
+                board: CancelBoard | None = None
+                ticket = 0
                 if "CANCEL_BOARD" in inputs:
-                    name = bytes(inputs["CANCEL_BOARD"].reshape(-1)[0]).decode()
-                    board = self._boards.get(name)
-                    ticket = int(inputs["CANCEL_TICKET"].reshape(-1)[0])
+                    board, ticket = cancel_target(inputs, self._boards)
             except Exception as e:  # malformed internal request: answer it, keep serving
                 sender.send(error_response(f"worker: bad request: {e}"), flags=FINAL)
                 continue
