@@ -77,14 +77,12 @@ class Scheduler:
 
     def abort(self, seq_id: str) -> Sequence | None:
         """Finish a sequence wherever it is, freeing its blocks. Returns it if it was known."""
-        for seq in self.running:
+        for seq in [*self.running, *self.waiting]:
             if seq.seq_id == seq_id:
-                self.running.remove(seq)
-                self._finish(seq, FinishReason.CANCELLED)
-                return seq
-        for seq in self.waiting:
-            if seq.seq_id == seq_id:
-                self.waiting.remove(seq)
+                if seq.status is SequenceStatus.RUNNING:
+                    self.running.remove(seq)
+                else:
+                    self.waiting.remove(seq)
                 self._finish(seq, FinishReason.CANCELLED)
                 return seq
         return None
@@ -96,7 +94,7 @@ class Scheduler:
         preempted: list[Sequence] = []  # for lack of blocks
         running: list[Sequence] = []
         # Most important first, so the victims of a block shortage are the least important.
-        queue = deque(sorted(self.running, key=lambda s: (-s.priority, s.arrival)))
+        queue = deque(sorted(self.running, key=importance, reverse=True))
         while queue and budget > 0:
             seq = queue.popleft()
             n = min(seq.num_uncomputed_tokens, budget)
@@ -156,7 +154,7 @@ class Scheduler:
                     and self.blocks.can_allocate(self._blocks_needed(head, chunk)))
             if fits or not lower:
                 return victims
-            victim = min(lower, key=lambda s: (s.priority, -s.arrival))
+            victim = min(lower, key=importance)
             self.running.remove(victim)
             self._preempt(victim)
             victims.append(victim)
@@ -199,6 +197,11 @@ class Scheduler:
         seq.block_table = []
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+
+
+def importance(seq: Sequence) -> tuple[int, int]:
+    """Orders sequences for preemption: higher priority, then earlier admission, ranks higher."""
+    return seq.priority, -seq.arrival
 
 
 def stop_reason(seq: Sequence, max_seq_len: int) -> FinishReason | None:
