@@ -37,6 +37,9 @@ class GenerationRequest:
     exclude_input_in_output: bool = False
     tenant: str = DEFAULT_TENANT
     priority: int = 0
+    route: str = "auto"  # see ROUTES
+    kv_transport: str = ""  # "" = the prefill instance's default
+    kv_fault: str = ""  # see KV_FAULTS
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -55,6 +58,9 @@ class GenerationRequest:
             exclude_input_in_output=d["exclude_input_in_output"],
             tenant=d["tenant"],
             priority=d["priority"],
+            route=d["route"],
+            kv_transport=d["kv_transport"],
+            kv_fault=d["kv_fault"],
         )
 
 
@@ -89,6 +95,15 @@ TRITON_PARAMETER_PREFIX = "triton_"
 # /generate body), or as gRPC metadata x-tenant, which the launcher has Triton forward.
 TENANT_PARAMETERS = ("tenant", "x-tenant")
 MAX_TENANT_LEN = 64
+# Routing parameters for operators, drills and tests. `route`: "auto" lets the scheduler choose
+# (disaggregate long prompts while the prefill group has room), "aggregated" and
+# "disaggregated" force a path. `kv_transport` picks the handoff transport. `kv_fault` injects a
+# handoff failure: "transfer_error" (the pull fails) or "expire_lease" (the lease is already over
+# when the decode instance pulls); either way decode recomputes the prompt.
+ROUTES = ("auto", "aggregated", "disaggregated")
+KV_TRANSPORTS = ("nixl", "host_shm")
+KV_FAULTS = ("transfer_error", "expire_lease")
+ROUTING_PARAMETERS = {"route": ROUTES, "kv_transport": KV_TRANSPORTS, "kv_fault": KV_FAULTS}
 
 # (text, add_special_tokens) -> token ids
 Tokenize = Callable[[str, bool], list[int]]
@@ -137,7 +152,7 @@ def parse_request(
     if unknown:
         raise InvalidRequest(unknown[0], f"unknown input; known inputs: {sorted(KNOWN_INPUTS)}")
     for name in sorted(parameters):
-        if name in TENANT_PARAMETERS or name == "priority":
+        if name in TENANT_PARAMETERS or name == "priority" or name in ROUTING_PARAMETERS:
             continue
         if name not in TRITON_PARAMETERS and not name.startswith(TRITON_PARAMETER_PREFIX):
             raise InvalidRequest(
@@ -228,7 +243,16 @@ def parse_request(
         exclude_input_in_output=v.get("exclude_input_in_output", False),
         tenant=_tenant(parameters),
         priority=_priority(v, parameters),
+        **{name: _choice(name, parameters, choices) for name, choices in
+           ROUTING_PARAMETERS.items() if name in parameters},
     )
+
+
+def _choice(name: str, parameters: Mapping[str, Any], choices: tuple[str, ...]) -> str:
+    value = parameters[name]
+    if value not in choices:
+        raise InvalidRequest(name, f"must be one of {', '.join(choices)}; got {value!r}")
+    return str(value)
 
 
 def _priority(values: Mapping[str, Any], parameters: Mapping[str, Any]) -> int:

@@ -10,7 +10,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from python_backends.engine.llm_engine import LLMEngine, TokenEvent
+from python_backends.engine.llm_engine import KVFetch, LLMEngine, TokenEvent
 from python_backends.engine.sequence import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -23,6 +23,14 @@ class _Add:
     params: SamplingParams
     priority: int
     tenant: str
+
+
+@dataclass(frozen=True)
+class _Handoff(_Add):
+    first_token: int
+    first_logprob: float
+    num_kv_tokens: int
+    fetch: KVFetch
 
 
 @dataclass(frozen=True)
@@ -70,6 +78,16 @@ class EngineLoop:
     ) -> None:
         self._inbox.put(_Add(seq_id, prompt_ids, params, priority, tenant))
 
+    def submit_handoff(
+        self, seq_id: str, prompt_ids: list[int], params: SamplingParams, first_token: int,
+        first_logprob: float, num_kv_tokens: int, fetch: KVFetch, priority: int = 0,
+        tenant: str = "default",
+    ) -> None:
+        """A sequence another instance prefilled (see LLMEngine.add_handoff); `fetch` runs on
+        the loop thread."""
+        self._inbox.put(_Handoff(seq_id, prompt_ids, params, priority, tenant, first_token,
+                                 first_logprob, num_kv_tokens, fetch))
+
     def abort(self, seq_id: str) -> None:
         self._inbox.put(_Abort(seq_id))
 
@@ -88,17 +106,22 @@ class EngineLoop:
     def _apply(self, msg: _Add | _Abort) -> None:
         if isinstance(msg, _Add):
             try:
-                self.engine.add_request(
-                    msg.seq_id, msg.prompt_ids, msg.params, msg.priority, msg.tenant
-                )
+                if isinstance(msg, _Handoff):
+                    self.engine.add_handoff(
+                        msg.seq_id, msg.prompt_ids, msg.first_token, msg.first_logprob,
+                        msg.params, msg.num_kv_tokens, msg.fetch, msg.priority, msg.tenant,
+                    )
+                else:
+                    self.engine.add_request(
+                        msg.seq_id, msg.prompt_ids, msg.params, msg.priority, msg.tenant
+                    )
             except ValueError as e:
                 self._on_finished_early(msg.seq_id, e)
         elif self.engine.abort(msg.seq_id) is not None:
             self._on_finished_early(msg.seq_id, None)
 
     def _cancel_abandoned(self) -> None:
-        sched = self.engine.scheduler
-        for seq in [*sched.running, *sched.waiting]:
+        for seq in self.engine.sequences():
             if self._is_cancelled(seq.seq_id):
                 self.engine.abort(seq.seq_id)
                 self._on_finished_early(seq.seq_id, None)
@@ -116,8 +139,7 @@ class EngineLoop:
                 events = self.engine.step()
             except Exception as e:  # a bug must not wedge every request: fail them, keep serving
                 log.exception("engine step failed; aborting all sequences")
-                sched = self.engine.scheduler
-                for seq in [*sched.running, *sched.waiting]:
+                for seq in self.engine.sequences():
                     self.engine.abort(seq.seq_id)
                     self._on_finished_early(seq.seq_id, RuntimeError(f"engine step failed: {e}"))
                 events = []

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from python_backends.config import EngineConfig
 from python_backends.engine.block_manager import BlockManager
@@ -12,9 +15,25 @@ from python_backends.engine.loader import load_model
 from python_backends.engine.model_runner import ModelRunner
 from python_backends.engine.sampler import SampleResult, sample
 from python_backends.engine.scheduler import Scheduler
-from python_backends.engine.sequence import FinishReason, SamplingParams, Sequence
+from python_backends.engine.sequence import (
+    FinishReason,
+    SamplingParams,
+    Sequence,
+    SequenceStatus,
+)
 from python_backends.engine.waiting_queue import WaitingQueue
+from python_backends.kv_transfer.layout import KVLayout, allocate_pool
 from python_backends.models.llama import LlamaForCausalLM
+
+# Copies a handed-off sequence's KV into the given local blocks; False: not possible (recompute).
+KVFetch = Callable[[list[int]], bool]
+
+
+@dataclass
+class _Handoff:
+    seq: Sequence
+    num_kv_tokens: int
+    fetch: KVFetch
 
 
 @dataclass(frozen=True)
@@ -37,6 +56,7 @@ class EngineStats:
     num_running: int
     num_waiting: int
     num_preemptions: int  # since start
+    num_prompt_tokens_computed: int  # since start: prompt positions this engine computed
     running_by_priority: dict[int, int]
     waiting_by_priority: dict[int, int]
 
@@ -45,38 +65,104 @@ class LLMEngine:
     def __init__(
         self, config: EngineConfig, model: LlamaForCausalLM, num_kv_blocks: int,
         enable_chunked_prefill: bool = True, waiting: WaitingQueue | None = None,
+        kv_pool: torch.Tensor | None = None,
     ) -> None:
+        """`kv_pool`: a tensor of `kv_layout(config, num_kv_blocks).shape` (shared memory for
+        a KV transport), else one is allocated."""
         self.config = config
+        self.kv_layout = kv_layout(config, num_kv_blocks)
+        if kv_pool is None:
+            kv_pool = allocate_pool(self.kv_layout)
+        elif kv_pool.shape != self.kv_layout.shape:
+            raise ValueError(f"KV pool shape {tuple(kv_pool.shape)} != {self.kv_layout.shape}")
         self.blocks = BlockManager(num_kv_blocks, config.limits.block_size)
         self.scheduler = Scheduler(config.limits, self.blocks, enable_chunked_prefill, waiting)
-        self.runner = ModelRunner(model, num_kv_blocks, config.limits.block_size)
+        self.runner = ModelRunner(model, kv_pool, config.limits.block_size)
+        self._handoffs: deque[_Handoff] = deque()
 
     @classmethod
     def from_engine_dir(
         cls, engine_dir: str | Path, num_kv_blocks: int, enable_chunked_prefill: bool = True,
         waiting: WaitingQueue | None = None,
+        kv_pool: Callable[[KVLayout], torch.Tensor] | None = None,
     ) -> LLMEngine:
+        """`kv_pool`: makes the pool for the engine's layout (default: plain memory)."""
         config = EngineConfig.load(engine_dir)
         model = load_model(engine_dir, config)
-        return cls(config, model, num_kv_blocks, enable_chunked_prefill, waiting)
+        pool = kv_pool(kv_layout(config, num_kv_blocks)) if kv_pool is not None else None
+        return cls(config, model, num_kv_blocks, enable_chunked_prefill, waiting, pool)
+
+    @property
+    def kv_pool(self) -> torch.Tensor:
+        return self.runner.kv_pool
 
     def add_request(
         self, seq_id: str, prompt_ids: list[int], params: SamplingParams,
-        priority: int = 0, tenant: str = "default",
+        priority: int = 0, tenant: str = "default", prefill_only: bool = False,
     ) -> Sequence:
-        seq = Sequence(seq_id, list(prompt_ids), params, priority=priority, tenant=tenant)
+        """Queue a sequence. `prefill_only`: stop after the first token and keep the blocks
+        (see Sequence.prefill_only); the caller releases them with `blocks.release`."""
+        seq = Sequence(seq_id, list(prompt_ids), params, priority=priority, tenant=tenant,
+                       prefill_only=prefill_only)
         self.scheduler.add(seq)
         return seq
 
+    def add_handoff(
+        self, seq_id: str, prompt_ids: list[int], first_token: int, first_logprob: float,
+        params: SamplingParams, num_kv_tokens: int, fetch: KVFetch,
+        priority: int = 0, tenant: str = "default",
+    ) -> Sequence:
+        """Continue a sequence another instance prefilled: it has its first token, and the KV of
+        its first `num_kv_tokens` tokens is elsewhere. Before the next step, blocks are
+        allocated and `fetch` fills them; if it cannot, the prompt is recomputed here."""
+        seq = Sequence(seq_id, list(prompt_ids), params, priority=priority, tenant=tenant)
+        seq.output_ids.append(first_token)
+        seq.output_logprobs.append(first_logprob)
+        if num_kv_tokens > seq.num_prompt_tokens:
+            raise ValueError(f"{num_kv_tokens} KV tokens for a {seq.num_prompt_tokens}-token "
+                             "prompt")
+        self.scheduler.check_fits(seq)
+        self._handoffs.append(_Handoff(seq, num_kv_tokens, fetch))
+        return seq
+
+    def _admit_handoffs(self) -> None:
+        """Pull handed-off KV while blocks are free (in arrival order), then queue the
+        sequences like any other: computed up to the handed-off tokens, or not at all."""
+        while self._handoffs:
+            h = self._handoffs[0]
+            need = self.blocks.blocks_for(h.num_kv_tokens)
+            if not self.blocks.can_allocate(need) and self.scheduler.has_unfinished:
+                return  # blocks free up as running sequences finish
+            self._handoffs.popleft()
+            blocks = self.blocks.allocate(need) if self.blocks.can_allocate(need) else None
+            if blocks is not None and h.fetch(blocks):
+                h.seq.block_table = blocks
+                h.seq.num_computed_tokens = h.num_kv_tokens
+            elif blocks is not None:
+                self.blocks.release(blocks)
+            self.scheduler.add(h.seq)
+
     def abort(self, seq_id: str) -> Sequence | None:
+        for h in self._handoffs:
+            if h.seq.seq_id == seq_id:
+                self._handoffs.remove(h)
+                h.seq.status = SequenceStatus.FINISHED
+                h.seq.finish_reason = FinishReason.CANCELLED
+                return h.seq
         return self.scheduler.abort(seq_id)
+
+    def sequences(self) -> list[Sequence]:
+        """Every unfinished sequence: running, waiting or handed off and not yet admitted."""
+        return [*self.scheduler.running, *self.scheduler.waiting,
+                *(h.seq for h in self._handoffs)]
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished
+        return bool(self._handoffs) or self.scheduler.has_unfinished
 
     def step(self) -> list[TokenEvent]:
         """schedule -> run -> sample -> update; returns one event per sampled sequence."""
+        self._admit_handoffs()
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
@@ -101,9 +187,14 @@ class LLMEngine:
             kv_blocks_used=self.blocks.num_used,
             kv_blocks_total=self.blocks.num_blocks,
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            num_waiting=len(self.scheduler.waiting) + len(self._handoffs),
             num_preemptions=self.scheduler.num_preemptions,
+            num_prompt_tokens_computed=self.scheduler.num_prompt_tokens_computed,
             running_by_priority=dict(Counter(s.priority for s in self.scheduler.running)),
             waiting_by_priority=dict(Counter(s.priority for s in self.scheduler.waiting)),
         )
 
+
+
+def kv_layout(config: EngineConfig, num_kv_blocks: int) -> KVLayout:
+    return KVLayout.for_model(config.model, config.limits.block_size, num_kv_blocks, config.dtype)

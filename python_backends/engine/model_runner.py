@@ -11,17 +11,13 @@ from python_backends.models.llama import LlamaForCausalLM
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int) -> None:
+    def __init__(self, model: LlamaForCausalLM, kv_pool: torch.Tensor, block_size: int) -> None:
+        """`kv_pool`: [layers, 2, slots, kv_heads, head_dim] (see kv_transfer.layout), allocated
+        once: the one region a KV transport maps or registers."""
         self.model = model
         self.block_size = block_size
-        cfg = model.config
-        dtype = model.model.embed_tokens.weight.dtype
-        slots = num_blocks * block_size
-        # One [2, S, K, D] tensor per layer, allocated once: the pool a KV transport registers.
-        self.kv_caches = [
-            torch.zeros(2, slots, cfg.num_kv_heads, cfg.head_dim, dtype=dtype)
-            for _ in range(cfg.num_layers)
-        ]
+        self.kv_pool = kv_pool
+        self.kv_caches = list(kv_pool.unbind(0))  # one [2, S, K, D] view per layer
         for attn, cache in zip(model.attention_layers(), self.kv_caches, strict=True):
             attn.kv_cache = cache
 

@@ -59,19 +59,23 @@ class Scheduler:
         self.waiting: WaitingQueue = waiting if waiting is not None else FcfsQueue()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_prompt_tokens_computed = 0  # prompt positions computed (prefill work), ever
         self._arrivals = itertools.count()
 
     @property
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def add(self, seq: Sequence) -> None:
+    def check_fits(self, seq: Sequence) -> None:
         longest = min(self.limits.max_seq_len, seq.num_prompt_tokens + seq.params.max_tokens)
         if self.blocks.blocks_for(longest) > self.blocks.num_blocks:
             raise RequestTooLarge(
                 f"prompt plus max_tokens ({longest} tokens) needs more KV blocks than the engine "
                 f"has ({self.blocks.num_blocks} of {self.blocks.block_size} tokens)"
             )
+
+    def add(self, seq: Sequence) -> None:
+        self.check_fits(seq)
         seq.arrival = next(self._arrivals)
         self.waiting.push(seq)
 
@@ -168,7 +172,11 @@ class Scheduler:
         for item in out.scheduled:
             seq = item.seq
             samples = item.samples
+            before = seq.num_computed_tokens
             seq.num_computed_tokens += item.num_new_tokens
+            self.num_prompt_tokens_computed += max(
+                0, min(seq.num_computed_tokens, seq.num_prompt_tokens) - before
+            )
             if not samples:
                 continue
             seq.output_ids.append(result.token_ids[i])
@@ -180,6 +188,9 @@ class Scheduler:
             if reason is not None:
                 self.running.remove(seq)
                 self._finish(seq, reason)
+            elif seq.prefill_only:
+                self.running.remove(seq)
+                seq.status = SequenceStatus.FINISHED  # blocks kept: the caller leases them
         return sampled
 
     def _blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:

@@ -76,6 +76,9 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     generator: torch.Generator | None = None
+    # A prefill instance's sequence: after its first token it leaves the batch keeping its KV
+    # blocks (finish_reason None), which the instance then leases to a decode instance.
+    prefill_only: bool = False
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:

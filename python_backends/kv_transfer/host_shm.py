@@ -1,0 +1,109 @@
+"""`host_shm`: same node, CPU. The owner's pool lives in POSIX shared memory; the puller maps it
+and copies the blocks' byte ranges directly. Releases go through the owner's release board."""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import threading
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from python_backends.cancel_board import SHM_DIR, BoardCache
+from python_backends.kv_transfer.base import Failure, KVHandle, KVSink, KVSource, TransferError
+from python_backends.kv_transfer.layout import KVLayout, allocate_pool, byte_ranges
+
+NAME_PREFIX = "triton_llm_kv_"  # the launcher sweeps triton* regions left by a killed server
+
+
+class SharedPool:
+    """A pool tensor backed by a shared-memory file (owner) or a mapping of one (puller)."""
+
+    def __init__(self, path: Path, layout: KVLayout, owner: bool) -> None:
+        self.path = path
+        self.layout = layout
+        self._owner = owner
+        fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if owner else 0), 0o600)
+        try:
+            if owner:
+                os.ftruncate(fd, layout.nbytes)
+            self._map = mmap.mmap(fd, layout.nbytes)
+        finally:
+            os.close(fd)
+        self.tensor = allocate_pool(layout, self._map)
+
+    @classmethod
+    def create(cls, layout: KVLayout) -> SharedPool:
+        return cls(SHM_DIR / f"{NAME_PREFIX}{os.getpid()}_{uuid.uuid4().hex[:8]}", layout, True)
+
+    @classmethod
+    def attach(cls, name: str, layout: KVLayout) -> SharedPool:
+        path = SHM_DIR / name
+        if not name.startswith(NAME_PREFIX) or path.parent != SHM_DIR:
+            raise ValueError(f"not a KV pool: {name!r}")
+        if path.stat().st_size != layout.nbytes:
+            raise ValueError(f"KV pool {name} is {path.stat().st_size} bytes, not "
+                             f"{layout.nbytes}")
+        return cls(path, layout, False)
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    def bytes(self) -> torch.Tensor:
+        return self.tensor.view(-1).view(torch.uint8)
+
+    def close(self) -> None:
+        del self.tensor
+        with contextlib.suppress(BufferError):  # a view still lives; the mapping goes with it
+            self._map.close()
+        if self._owner:
+            self.path.unlink(missing_ok=True)
+
+
+class HostShmSource(KVSource):
+    kind = "host_shm"
+
+    def __init__(self, pool: SharedPool) -> None:
+        self.pool = pool
+
+    def location(self) -> dict[str, Any]:
+        return {"shm": self.pool.name}
+
+
+class HostShmSink(KVSink):
+    kind = "host_shm"
+
+    def __init__(self, layout: KVLayout, pool: torch.Tensor, boards: BoardCache) -> None:
+        super().__init__(layout, boards)
+        self._dst = pool.view(-1).view(torch.uint8)
+        self._peers: dict[str, SharedPool] = {}
+        self._lock = threading.Lock()
+
+    def _peer(self, handle: KVHandle) -> SharedPool:
+        name = handle.location["shm"]
+        with self._lock:
+            peer = self._peers.get(name)
+            if peer is None:
+                try:
+                    peer = self._peers[name] = SharedPool.attach(name, handle.layout)
+                except (OSError, ValueError) as e:
+                    raise TransferError(Failure.ERROR, f"cannot map KV pool: {e}") from None
+            return peer
+
+    def _pull(self, handle: KVHandle, dst_blocks: list[int]) -> None:
+        src = self._peer(handle).bytes()
+        ranges = byte_ranges(handle.layout, self.layout, list(handle.block_ids), dst_blocks)
+        for s, d, n in ranges.tolist():
+            self._dst[d : d + n].copy_(src[s : s + n])
+        self.release_on_board(handle)
+
+    def close(self) -> None:
+        with self._lock:
+            for peer in self._peers.values():
+                peer.close()
+            self._peers.clear()

@@ -1,0 +1,120 @@
+"""The KV pool of one engine instance and the byte ranges a block list occupies in it.
+
+The pool is one contiguous tensor `[layers, 2 (K, V), slots, kv_heads, head_dim]`, so a
+transport registers or maps it once. Block `b` of layer `l` holds slots
+`[b * block_size, (b + 1) * block_size)`: `2 * layers` contiguous ranges per block, and runs of
+consecutive blocks merge into longer ranges.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from python_backends.config import ModelConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape of a KV pool: what a receiver must match to use the sender's bytes."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str
+    num_blocks: int
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    @classmethod
+    def for_model(
+        cls, model: ModelConfig, block_size: int, num_blocks: int, dtype: str
+    ) -> KVLayout:
+        return cls(model.num_layers, model.num_kv_heads, model.head_dim, block_size, dtype,
+                   num_blocks)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.num_layers, 2, self.num_blocks * self.block_size, self.num_kv_heads,
+                self.head_dim)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def block_range_bytes(self) -> int:
+        """Bytes of one block in one (layer, K or V) plane."""
+        return self.block_size * self.num_kv_heads * self.head_dim * self.torch_dtype.itemsize
+
+    @property
+    def plane_bytes(self) -> int:
+        return self.num_blocks * self.block_range_bytes
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.num_layers * self.plane_bytes
+
+    def bytes_for(self, num_blocks: int) -> int:
+        return 2 * self.num_layers * num_blocks * self.block_range_bytes
+
+    def incompatibility(self, other: KVLayout) -> str | None:
+        """Why blocks of `other` cannot be copied into this layout as they are, if they can't."""
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype",
+                     "tp_size"):
+            if getattr(self, name) != getattr(other, name):
+                return f"{name} differs ({getattr(other, name)} vs {getattr(self, name)})"
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> KVLayout:
+        return cls(**d)
+
+
+def allocate_pool(layout: KVLayout, buffer: Any = None) -> torch.Tensor:
+    """A zeroed pool tensor, in `buffer` (a writable buffer of `layout.nbytes`) if given."""
+    if buffer is None:
+        return torch.zeros(layout.shape, dtype=layout.torch_dtype)
+    flat = torch.frombuffer(buffer, dtype=layout.torch_dtype, count=layout.nbytes //
+                            layout.torch_dtype.itemsize)
+    return flat.view(layout.shape)
+
+
+def block_runs(src_blocks: list[int], dst_blocks: list[int]) -> list[tuple[int, int, int]]:
+    """Pair source and destination blocks into runs `(src_start, dst_start, length)` that are
+    consecutive on both sides."""
+    if len(src_blocks) != len(dst_blocks):
+        raise ValueError(f"{len(src_blocks)} source blocks for {len(dst_blocks)} destinations")
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src_blocks, dst_blocks, strict=True):
+        if runs:
+            s0, d0, n = runs[-1]
+            if s == s0 + n and d == d0 + n:
+                runs[-1] = (s0, d0, n + 1)
+                continue
+        runs.append((s, d, 1))
+    return runs
+
+
+def byte_ranges(
+    src: KVLayout, dst: KVLayout, src_blocks: list[int], dst_blocks: list[int]
+) -> np.ndarray:
+    """`[N, 3]` int64 rows `(src_offset, dst_offset, length)`: the copies that move the blocks,
+    one per (layer, K/V plane, run)."""
+    runs = np.array(block_runs(src_blocks, dst_blocks), dtype=np.int64).reshape(-1, 3)
+    unit = src.block_range_bytes
+    planes = np.arange(2 * src.num_layers, dtype=np.int64)[:, None]  # [P, 1]
+    out = np.empty((planes.shape[0], runs.shape[0], 3), dtype=np.int64)
+    out[:, :, 0] = planes * src.plane_bytes + runs[None, :, 0] * unit
+    out[:, :, 1] = planes * dst.plane_bytes + runs[None, :, 1] * unit
+    out[:, :, 2] = runs[None, :, 2] * unit
+    return out.reshape(-1, 3)

@@ -1,0 +1,145 @@
+"""`nixl`: any placement NIXL reaches (processes, nodes; DRAM here, VRAM on GPUs).
+
+The owner registers its whole pool with its agent once at start-up and puts the agent's metadata
+and the pool's base address in every handle; the puller, whose pool is registered with its own
+agent, READs the blocks' byte ranges (pull) and then notifies the owner, which frees them.
+
+Agents run without NIXL's progress thread (on a small CPU it spins a core and collapsed
+throughput; see PLATFORM.md), so each side progresses its agent itself: the puller by polling
+its transfer, the owner by polling notifications (`released`) while it holds leases. An agent is
+not thread-safe: every call goes through the wrapper's lock.
+"""
+
+from __future__ import annotations
+
+import base64
+import threading
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+import torch
+
+from python_backends.cancel_board import BoardCache
+from python_backends.kv_transfer.base import Failure, KVHandle, KVSink, KVSource, TransferError
+from python_backends.kv_transfer.layout import KVLayout, byte_ranges
+
+RELEASE_PREFIX = b"release:"
+
+
+def available() -> bool:
+    try:
+        import nixl_cu12._api  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class Agent:
+    """A NIXL agent with its pool registered once, behind one lock."""
+
+    def __init__(self, name: str, pool: torch.Tensor) -> None:
+        from nixl_cu12._api import nixl_agent, nixl_agent_config
+
+        self.name = name
+        self.lock = threading.Lock()
+        self.agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False))
+        self.pool = pool
+        self._registration = self.agent.register_memory(pool)
+        self.base = pool.data_ptr()
+        self.mem_type = "VRAM" if pool.is_cuda else "DRAM"
+        self.device = max(pool.get_device(), 0)
+        self.metadata = self.agent.get_agent_metadata()  # after registering: it carries them
+
+    def close(self) -> None:
+        with self.lock:
+            self.agent.deregister_memory(self._registration)
+
+
+def agent_name(role: str) -> str:
+    return f"{role}-{uuid.uuid4().hex[:12]}"
+
+
+class NixlSource(KVSource):
+    kind = "nixl"
+
+    def __init__(self, pool: torch.Tensor, name: str) -> None:
+        self.agent = Agent(name, pool)
+        self._location = {
+            "agent": name,
+            "metadata": base64.b64encode(self.agent.metadata).decode(),
+            "base": self.agent.base,
+            "mem_type": self.agent.mem_type,
+            "device": self.agent.device,
+        }
+
+    def location(self) -> dict[str, Any]:
+        return self._location
+
+    def released(self) -> list[int]:
+        with self.agent.lock:
+            notifs = self.agent.agent.get_new_notifs()  # also progresses the agent
+        return [
+            int(msg[len(RELEASE_PREFIX) :])
+            for msgs in notifs.values() for msg in msgs if msg.startswith(RELEASE_PREFIX)
+        ]
+
+    def close(self) -> None:
+        self.agent.close()
+
+
+class NixlSink(KVSink):
+    kind = "nixl"
+
+    def __init__(
+        self, layout: KVLayout, pool: torch.Tensor, name: str, boards: BoardCache,
+        timeout_s: float = 5.0,
+    ) -> None:
+        super().__init__(layout, boards)
+        self.agent = Agent(name, pool)
+        self.timeout_s = timeout_s
+        self._peers: set[str] = set()
+
+    def _peer(self, handle: KVHandle) -> str:
+        name = str(handle.location["agent"])
+        if name not in self._peers:
+            metadata = base64.b64decode(handle.location["metadata"])
+            with self.agent.lock:
+                self.agent.agent.add_remote_agent(metadata)
+            self._peers.add(name)
+        return name
+
+    def _pull(self, handle: KVHandle, dst_blocks: list[int]) -> None:
+        peer = self._peer(handle)
+        loc = handle.location
+        ranges = byte_ranges(handle.layout, self.layout, list(handle.block_ids), dst_blocks)
+        remote = np.stack([ranges[:, 0] + int(loc["base"]), ranges[:, 2],
+                           np.full(len(ranges), int(loc["device"]))], axis=1).astype(np.uint64)
+        local = np.stack([ranges[:, 1] + self.agent.base, ranges[:, 2],
+                          np.full(len(ranges), self.agent.device)], axis=1).astype(np.uint64)
+        a = self.agent.agent
+        with self.agent.lock:
+            xfer = a.initialize_xfer(
+                "READ", a.get_xfer_descs(local, self.agent.mem_type),
+                a.get_xfer_descs(remote, str(loc["mem_type"])), peer,
+            )
+            try:
+                state = a.transfer(xfer, RELEASE_PREFIX + str(handle.release_ticket).encode())
+                deadline = time.monotonic() + self.timeout_s
+                spins = 0
+                while state == "PROC":
+                    if time.monotonic() > deadline:
+                        raise TransferError(Failure.TIMEOUT,
+                                            f"NIXL READ from {peer} took over {self.timeout_s} s")
+                    spins += 1
+                    if spins > 200:
+                        time.sleep(0.0001)
+                    state = a.check_xfer_state(xfer)
+                if state != "DONE":
+                    raise TransferError(Failure.ERROR, f"NIXL READ from {peer} failed: {state}")
+            finally:
+                a.release_xfer_handle(xfer)
+
+    def close(self) -> None:
+        self.agent.close()

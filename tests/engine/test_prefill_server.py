@@ -1,0 +1,156 @@
+"""Prefill instance -> KV handle -> decode engine, in one process over real transports, against
+Hugging Face greedy output."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from python_backends.cancel_board import BoardCache
+from python_backends.engine.llm_engine import LLMEngine, kv_layout
+from python_backends.engine.prefill_server import PrefillJob, PrefillResult, PrefillServer
+from python_backends.engine.sequence import SamplingParams
+from python_backends.kv_transfer import nixl
+from python_backends.kv_transfer.base import KVHandle, KVSink, TransferError
+from python_backends.kv_transfer.host_shm import HostShmSink, HostShmSource, SharedPool
+from tests.conftest import TinyModel, prompts
+
+TRANSPORTS = ["host_shm", "nixl"] if nixl.available() else ["host_shm"]
+N_OUT = 12
+
+
+@pytest.fixture(scope="module")
+def prefill(tiny_llama: TinyModel) -> Iterator[PrefillServer]:
+    shared: list[SharedPool] = []
+
+    def pool(layout: Any) -> Any:
+        shared.append(SharedPool.create(layout))
+        return shared[0].tensor
+
+    engine = tiny_llama.engine(num_kv_blocks=96, kv_pool=pool)
+    sources: dict[str, Any] = {"host_shm": HostShmSource(shared[0])}
+    if "nixl" in TRANSPORTS:
+        sources["nixl"] = nixl.NixlSource(engine.kv_pool, nixl.agent_name("prefill"))
+    server = PrefillServer(engine, sources, owner="prefill-0", lease_s=20.0)
+    server.start()
+    yield server
+    server.close()
+    shared[0].close()
+
+
+@pytest.fixture(scope="module")
+def decode(tiny_llama: TinyModel) -> Iterator[tuple[LLMEngine, dict[str, KVSink]]]:
+    engine = tiny_llama.engine(num_kv_blocks=80)
+    boards = BoardCache()
+    layout = kv_layout(engine.config, 80)
+    sinks: dict[str, KVSink] = {"host_shm": HostShmSink(layout, engine.kv_pool, boards)}
+    if "nixl" in TRANSPORTS:
+        sinks["nixl"] = nixl.NixlSink(layout, engine.kv_pool, nixl.agent_name("decode"), boards)
+    yield engine, sinks
+    for sink in sinks.values():
+        sink.close()
+    boards.close()
+
+
+def _params() -> SamplingParams:
+    return SamplingParams(max_tokens=N_OUT)
+
+
+def _continue(
+    engine: LLMEngine, sinks: dict[str, KVSink], results: list[PrefillResult],
+    batch: list[list[int]],
+) -> tuple[dict[str, list[int]], list[str]]:
+    """Hand each result to the decode engine and run it to completion."""
+    outputs: dict[str, list[int]] = {}
+    failures: list[str] = []
+
+    def fetcher(handle: KVHandle) -> Any:
+        def fetch(blocks: list[int]) -> bool:
+            sink = sinks[handle.transport]
+            try:
+                sink.fetch(handle, blocks)
+                return True
+            except TransferError as e:
+                failures.append(e.kind.value)
+                sink.abandon(handle)
+                return False
+        return fetch
+
+    for i, (res, prompt) in enumerate(zip(results, batch, strict=True)):
+        assert res.handle is not None and res.finish_reason is None
+        outputs[f"s{i}"] = [res.token_id]
+        engine.add_handoff(f"s{i}", prompt, res.token_id, res.logprob, _params(),
+                           res.handle.num_tokens, fetcher(res.handle))
+    while engine.has_unfinished:
+        for ev in engine.step():
+            outputs[ev.seq_id].append(ev.token_id)
+    return outputs, failures
+
+
+def _wait_released(server: PrefillServer) -> None:
+    deadline = time.monotonic() + 10
+    while server.engine.blocks.num_used and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert server.engine.blocks.num_used == 0 and len(server.leases) == 0
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_handoff_matches_hf_and_decode_computes_no_prompt(
+    tiny_llama: TinyModel, prefill: PrefillServer, decode: Any, transport: str
+) -> None:
+    engine, sinks = decode
+    batch = prompts(5, seed=3, lo=5, hi=60)
+    results = prefill.prefill([PrefillJob(p, _params(), transport) for p in batch])
+    before = engine.stats().num_prompt_tokens_computed
+    outputs, failures = _continue(engine, sinks, results, batch)  # type: ignore[arg-type]
+    assert failures == []
+    assert engine.stats().num_prompt_tokens_computed == before  # all prompt KV came over
+    for i, prompt in enumerate(batch):
+        assert outputs[f"s{i}"] == tiny_llama.greedy(prompt, N_OUT), i
+    assert engine.blocks.num_used == 0
+    _wait_released(prefill)
+
+
+@pytest.mark.parametrize("fault", ["transfer_error", "expire_lease"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_failed_handoff_recomputes(
+    tiny_llama: TinyModel, prefill: PrefillServer, decode: Any, transport: str, fault: str
+) -> None:
+    engine, sinks = decode
+    batch = prompts(2, seed=12, lo=20, hi=40)
+    expired_before = prefill.num_expired
+    results = prefill.prefill([PrefillJob(p, _params(), transport, fault) for p in batch])
+    before = engine.stats().num_prompt_tokens_computed
+    outputs, failures = _continue(engine, sinks, results, batch)  # type: ignore[arg-type]
+    assert failures == [{"transfer_error": "error", "expire_lease": "expired"}[fault]] * 2
+    assert engine.stats().num_prompt_tokens_computed - before == sum(map(len, batch))
+    for i, prompt in enumerate(batch):
+        assert outputs[f"s{i}"] == tiny_llama.greedy(prompt, N_OUT), i
+    _wait_released(prefill)
+    if fault == "expire_lease":
+        assert prefill.num_expired == expired_before + 2
+
+
+def test_unreleased_lease_expires(tiny_llama: TinyModel, prefill: PrefillServer) -> None:
+    prefill.lease_s = 0.2
+    try:
+        [res] = prefill.prefill([PrefillJob(prompts(1, seed=13)[0], _params())])
+    finally:
+        prefill.lease_s = 20.0
+    assert isinstance(res, PrefillResult) and res.handle is not None
+    assert prefill.engine.blocks.num_used == len(res.handle.block_ids) > 0
+    expired = prefill.num_expired
+    _wait_released(prefill)  # nobody pulls: the reaper frees the blocks at the deadline
+    assert prefill.num_expired == expired + 1
+
+
+def test_first_token_can_finish_the_request(prefill: PrefillServer) -> None:
+    [res] = prefill.prefill([PrefillJob([5, 6, 7], SamplingParams(max_tokens=1))])
+    assert isinstance(res, PrefillResult)
+    assert res.handle is None and res.finish_reason is not None
+    assert prefill.engine.blocks.num_used == 0
+    [bad] = prefill.prefill([PrefillJob([5, 6], _params(), transport="carrier_pigeon")])
+    assert isinstance(bad, ValueError) and "carrier_pigeon" in str(bad)

@@ -1,0 +1,117 @@
+"""Both transports across real processes: the owner's pool lives in a child process."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from python_backends.cancel_board import BoardCache, CancelBoard
+from python_backends.kv_transfer import nixl
+from python_backends.kv_transfer.base import Failure, KVHandle, KVSink, TransferError
+from python_backends.kv_transfer.host_shm import HostShmSink, HostShmSource, SharedPool
+from python_backends.kv_transfer.layout import KVLayout, allocate_pool
+from python_backends.kv_transfer.leases import LeaseTable
+
+LAYOUT = KVLayout(num_layers=4, num_kv_heads=3, head_dim=8, block_size=4, dtype="float32",
+                  num_blocks=32)
+BLOCKS = (5, 6, 7, 20)
+
+
+def _owner(kind: str, conn: Any) -> None:
+    """Child: fill a pool, lease BLOCKS, serve until the lease is released or expires."""
+    torch.manual_seed(0)
+    board = CancelBoard.create(size=4)
+    if kind == "host_shm":
+        shared = SharedPool.create(LAYOUT)
+        pool = shared.tensor
+        source: Any = HostShmSource(shared)
+    else:
+        pool = allocate_pool(LAYOUT)
+        source = nixl.NixlSource(pool, nixl.agent_name("test-owner"))
+    pool.copy_(torch.randn(LAYOUT.shape))
+    table = LeaseTable(board)
+    lease = table.grant(BLOCKS, duration_s=20.0)
+    handle = KVHandle(kind, "owner", LAYOUT, lease.blocks, 14, lease.deadline, board.name,
+                      lease.ticket, source.location())
+    conn.send((handle.to_json(), pool.clone()))
+    reaped: list[Any] = []
+    while not reaped:
+        reaped = table.reap(source.released())
+        time.sleep(0.001)
+    conn.send(reaped[0].expired)
+    conn.recv()  # keep the pool alive until the parent is done
+    source.close()
+    if kind == "host_shm":
+        shared.close()
+    board.close()
+
+
+@pytest.fixture(params=["host_shm", "nixl"])
+def kind(request: pytest.FixtureRequest) -> str:
+    if request.param == "nixl" and not nixl.available():
+        pytest.skip("nixl-cu12 not installed")
+    return str(request.param)
+
+
+@pytest.fixture
+def owner(kind: str) -> Iterator[tuple[KVHandle, torch.Tensor, Any]]:
+    ctx = mp.get_context("spawn")  # not fork: the parent may hold NIXL/UCX threads
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_owner, args=(kind, child), daemon=True)
+    proc.start()
+    text, pool = parent.recv()
+    yield KVHandle.from_json(text), pool, parent
+    parent.send("bye")
+    proc.join(10)
+    assert proc.exitcode == 0
+
+
+def _sink(kind: str, pool: torch.Tensor, boards: BoardCache) -> KVSink:
+    dst_layout = KVLayout(**{**LAYOUT.to_dict(), "num_blocks": 16})
+    if kind == "host_shm":
+        return HostShmSink(dst_layout, pool, boards)
+    return nixl.NixlSink(dst_layout, pool, nixl.agent_name("test-puller"), boards)
+
+
+def test_pull_releases_the_lease_across_processes(kind: str, owner: Any) -> None:
+    handle, src, conn = owner
+    dst = allocate_pool(KVLayout(**{**LAYOUT.to_dict(), "num_blocks": 16}))
+    boards = BoardCache()
+    sink = _sink(kind, dst, boards)
+    dst_blocks = [9, 10, 0, 1]
+    assert sink.fetch(handle, dst_blocks) == handle.nbytes == LAYOUT.bytes_for(4)
+    bs = LAYOUT.block_size
+    for sb, db in zip(handle.block_ids, dst_blocks, strict=True):
+        assert torch.equal(dst[:, :, db * bs : (db + 1) * bs], src[:, :, sb * bs : (sb + 1) * bs])
+    assert dst[:, :, 2 * bs : 9 * bs].abs().sum() == 0  # nothing else was written
+    assert conn.poll(10) and conn.recv() is False  # released, not expired
+    sink.close()
+    boards.close()
+
+
+def test_refusals_name_the_reason(kind: str, owner: Any) -> None:
+    handle, _src, conn = owner
+    dst = allocate_pool(KVLayout(**{**LAYOUT.to_dict(), "num_blocks": 16}))
+    boards = BoardCache()
+    sink = _sink(kind, dst, boards)
+    cases = [
+        (handle.__class__(**{**handle.__dict__, "deadline": time.time() - 1}), Failure.EXPIRED),
+        (handle.__class__(**{**handle.__dict__, "fault": "transfer_error"}), Failure.ERROR),
+        (handle.__class__(**{**handle.__dict__,
+                             "layout": KVLayout(**{**LAYOUT.to_dict(), "head_dim": 4})}),
+         Failure.LAYOUT),
+    ]
+    for bad, failure in cases:
+        with pytest.raises(TransferError) as info:
+            sink.fetch(bad, [0, 1, 2, 3])
+        assert info.value.kind is failure
+    assert not dst.any()
+    sink.abandon(handle)
+    assert conn.poll(10) and conn.recv() is False
+    sink.close()
+    boards.close()
