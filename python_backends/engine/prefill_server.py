@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from python_backends.cancel_board import CancelBoard
@@ -46,8 +47,9 @@ class PrefillResult:
 class PrefillServer:
     def __init__(
         self, engine: LLMEngine, sources: dict[str, KVSource], owner: str,
-        lease_s: float = 30.0,
+        lease_s: float = 30.0, on_reaped: Callable[[int], None] = lambda _expired: None,
     ) -> None:
+        """`on_reaped(num_expired)`: called on the reaper thread after leases were freed."""
         if not sources:
             raise ValueError("a prefill server needs at least one KV transport")
         self.engine = engine
@@ -55,6 +57,7 @@ class PrefillServer:
         self.default_transport = next(iter(sources))
         self.owner = owner
         self.lease_s = lease_s
+        self._on_reaped = on_reaped
         self.board = CancelBoard.create()  # release flags, one ticket per lease
         self.leases = LeaseTable(self.board)
         self.num_released = 0
@@ -132,6 +135,8 @@ class PrefillServer:
                                 r.lease.ticket, len(r.lease.blocks))
                 else:
                     self.num_released += 1
+        if reaped:
+            self._on_reaped(sum(r.expired for r in reaped))
         return reaped
 
     def _reap_loop(self) -> None:

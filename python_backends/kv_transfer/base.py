@@ -122,15 +122,19 @@ class KVSink(ABC):
         """Copy the blocks, then release the lease."""
 
     def abandon(self, handle: KVHandle) -> None:
-        """Give up a lease without pulling: raise its flag if the owner's board is on this
-        node; otherwise, or once the deadline has passed, the owner reaps it as expired."""
-        if handle.remaining() <= 0:
-            return
-        with contextlib.suppress(OSError, ValueError):
-            self._boards.get(handle.release_board).cancel(handle.release_ticket)
+        abandon(handle, self._boards)
 
     def release_on_board(self, handle: KVHandle) -> None:
         self._boards.get(handle.release_board).cancel(handle.release_ticket)
 
     def close(self) -> None:
         return None
+
+
+def abandon(handle: KVHandle, boards: BoardCache) -> None:
+    """Give up a lease without pulling: raise its flag if the owner's board is on this node;
+    otherwise, or once the deadline has passed, the owner reaps it as expired."""
+    if handle.remaining() <= 0:
+        return
+    with contextlib.suppress(OSError, ValueError):
+        boards.get(handle.release_board).cancel(handle.release_ticket)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,27 @@ class ModelArgs:
         return Path(
             self.param("engine_dir") or os.environ.get(ENGINE_DIR_ENV) or DEFAULT_ENGINE_DIR
         )
+
+
+def kv_transports(margs: ModelArgs, default: str = "") -> list[str]:
+    """The model's `kv_transports` parameter: comma-separated, in order of preference. NIXL is
+    left out, with a warning, where nixl-cu12 is not installed."""
+    from python_backends.kv_transfer import nixl
+    from python_backends.protocol import KV_TRANSPORTS
+
+    names = [n.strip() for n in margs.param("kv_transports", default).split(",") if n.strip()]
+    for name in names:
+        if name not in KV_TRANSPORTS:
+            raise pb_utils.TritonModelException(
+                f"{margs.model_name}: unknown KV transport {name!r} in kv_transports "
+                f"(known: {', '.join(KV_TRANSPORTS)})"
+            )
+    if "nixl" in names and not nixl.available():
+        logging.getLogger(__name__).warning(
+            "%s: nixl-cu12 is not installed; NIXL transport off", margs.model_name
+        )
+        names.remove("nixl")
+    return names
 
 
 def inputs_of(request: Any) -> dict[str, np.ndarray]:

@@ -37,6 +37,12 @@ class EngineMetrics:
         self.waiting = _metric(
             "llm_num_requests_waiting", "Sequences waiting for admission", g, labels
         )
+        self.prompt_tokens_computed = _metric(
+            "llm_prompt_tokens_computed_total",
+            "Prompt positions this instance computed (prefill work, including recomputes)",
+            pb_utils.MetricFamily.COUNTER, labels,
+        )
+        self._prompt_tokens_published = 0
         self.preemptions = _metric(
             "llm_num_preemptions_total", "Sequences preempted (recomputed later)",
             pb_utils.MetricFamily.COUNTER, labels,
@@ -47,9 +53,14 @@ class EngineMetrics:
             pb_utils.MetricFamily.HISTOGRAM, labels, LATENCY_BUCKETS,
         )
         self._labels = labels
+        self._publish_lock = threading.Lock()
         self._priorities_seen: dict[str, set[int]] = {"running": set(), "waiting": set()}
 
     def publish(self, stats: EngineStats) -> None:
+        with self._publish_lock:  # callers on several threads (prefill: requests, reaper)
+            self._publish(stats)
+
+    def _publish(self, stats: EngineStats) -> None:
         self.blocks_used.set(stats.kv_blocks_used)
         self.blocks_total.set(stats.kv_blocks_total)
         self.usage.set(stats.kv_blocks_used / stats.kv_blocks_total)
@@ -64,9 +75,48 @@ class EngineMetrics:
                     f"llm_num_requests_{state}_by_priority", f"Sequences {state}, per priority",
                     pb_utils.MetricFamily.GAUGE, {**self._labels, "priority": str(priority)},
                 ).set(counts.get(priority, 0))
+        if stats.num_prompt_tokens_computed > self._prompt_tokens_published:
+            self.prompt_tokens_computed.increment(
+                stats.num_prompt_tokens_computed - self._prompt_tokens_published
+            )
+            self._prompt_tokens_published = stats.num_prompt_tokens_computed
         if stats.num_preemptions > self._preemptions_published:
             self.preemptions.increment(stats.num_preemptions - self._preemptions_published)
             self._preemptions_published = stats.num_preemptions
+
+
+TRANSFER_BUCKETS = [
+    0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0,
+]
+
+
+class KVTransferMetrics:
+    """KV handoff: pulls on the decode side (bytes, latency, failures, recomputes) and leases
+    on the prefill side."""
+
+    def __init__(self, model: str, instance: str) -> None:
+        self._labels = {"model": model, "instance": instance}
+        self.expired_leases = _metric(
+            "llm_kv_lease_expired_total",
+            "Leased KV blocks freed at their deadline because no decoder released them",
+            pb_utils.MetricFamily.COUNTER, self._labels,
+        )
+
+    def transferred(self, transport: str, nbytes: int, seconds: float) -> None:
+        labels = {**self._labels, "transport": transport}
+        _metric("llm_kv_transfer_bytes_total", "KV-cache bytes pulled from prefill instances",
+                pb_utils.MetricFamily.COUNTER, labels).increment(nbytes)
+        _metric("llm_kv_transfer_duration_seconds", "Time to pull one request's KV cache",
+                pb_utils.MetricFamily.HISTOGRAM, labels, TRANSFER_BUCKETS).observe(seconds)
+
+    def failed(self, transport: str, reason: str) -> None:
+        """A handoff that could not be used; the decode instance recomputes the prompt."""
+        labels = {**self._labels, "transport": transport}
+        _metric("llm_kv_transfer_failures_total", "KV pulls that failed, by reason",
+                pb_utils.MetricFamily.COUNTER, {**labels, "reason": reason}).increment(1)
+        _metric("llm_kv_transfer_fallbacks_total",
+                "Handed-off requests whose prompt the decode instance recomputed",
+                pb_utils.MetricFamily.COUNTER, labels).increment(1)
 
 
 class RequestMetrics:
@@ -84,6 +134,12 @@ class RequestMetrics:
             "Mean time per output token after the first, per request", h, labels,
             LATENCY_BUCKETS,
         )
+        self._labels = labels
+
+    def routed(self, route: str) -> None:
+        _metric("llm_requests_routed_total", "Requests by serving path (aggregated, "
+                "disaggregated, or disaggregated falling back after a prefill error)",
+                pb_utils.MetricFamily.COUNTER, {**self._labels, "route": route}).increment(1)
 
 
 class AdmissionMetrics:

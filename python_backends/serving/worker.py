@@ -1,5 +1,10 @@
-"""`worker`: an aggregated engine instance (decoupled). Requests join the continuous batch;
-every step sends each sequence's new token back to the caller (the scheduler, over BLS)."""
+"""`worker` and `decode`: a continuous-batching engine instance (decoupled). Requests join the
+batch; every step sends each sequence's new token back to the caller (the scheduler, over BLS).
+
+A request may arrive prefilled elsewhere (inputs KV_HANDLE, FIRST_TOKEN, FIRST_LOG_PROB): the
+instance pulls its KV through the handle's transport (the `kv_transports` parameter enables
+them) and continues from the first token; if the pull fails it recomputes the prompt. The
+`decode` group is this model with transports enabled; `worker` usually has none."""
 
 from __future__ import annotations
 
@@ -21,6 +26,9 @@ from python_backends.cancel_board import BoardCache, CancelBoard
 from python_backends.engine.engine_loop import EngineLoop
 from python_backends.engine.llm_engine import LLMEngine, TokenEvent
 from python_backends.engine.waiting_queue import PriorityFairQueue
+from python_backends.kv_transfer import nixl
+from python_backends.kv_transfer.base import KVHandle, KVSink, TransferError, abandon
+from python_backends.kv_transfer.host_shm import HostShmSink
 from python_backends.protocol import GenerationRequest
 from python_backends.serving.common import (
     FINAL,
@@ -28,11 +36,13 @@ from python_backends.serving.common import (
     bytes_tensor,
     cancel_target,
     error_response,
+    first,
     first_bytes,
     inputs_of,
+    kv_transports,
     tensor,
 )
-from python_backends.serving.metrics import EngineMetrics
+from python_backends.serving.metrics import EngineMetrics, KVTransferMetrics
 
 log = logging.getLogger(__name__)
 METRICS_INTERVAL_S = 0.05
@@ -107,8 +117,18 @@ class WorkerModel:
             waiting=PriorityFairQueue(weights),
         )
         self.metrics = EngineMetrics(margs.model_name, margs.instance_name)
+        self.kv_metrics = KVTransferMetrics(margs.model_name, margs.instance_name)
         self._pending: dict[str, _Pending] = {}
         self._boards = BoardCache()
+        self._sinks: dict[str, KVSink] = {}
+        for kind in kv_transports(margs):
+            if kind == "host_shm":
+                self._sinks[kind] = HostShmSink(engine.kv_layout, engine.kv_pool, self._boards)
+            else:
+                self._sinks[kind] = nixl.NixlSink(
+                    engine.kv_layout, engine.kv_pool, nixl.agent_name(margs.model_name),
+                    self._boards,
+                )
         self._last_publish = 0.0
         self.outbox = Outbox()
         self.loop = EngineLoop(
@@ -136,8 +156,41 @@ class WorkerModel:
                 continue
             seq_id = uuid.uuid4().hex
             self._pending[seq_id] = _Pending(sender, len(req.prompt_ids), board, ticket)
-            self.loop.submit(seq_id, req.prompt_ids, req.params, req.priority, req.tenant)
+            handle_json = first_bytes(inputs, "KV_HANDLE") if "KV_HANDLE" in inputs else b""
+            if handle_json:
+                handle = KVHandle.from_json(handle_json)
+                self.loop.submit_handoff(
+                    seq_id, req.prompt_ids, req.params, int(first(inputs, "FIRST_TOKEN")),
+                    float(first(inputs, "FIRST_LOG_PROB")), handle.num_tokens,
+                    partial(self._fetch, handle), req.priority, req.tenant,
+                )
+            else:
+                self.loop.submit(seq_id, req.prompt_ids, req.params, req.priority, req.tenant)
         return None
+
+    def _fetch(self, handle: KVHandle, blocks: list[int]) -> bool:
+        """Pull a handed-off request's KV into `blocks` (engine-loop thread). False: recompute."""
+        sink = self._sinks.get(handle.transport)
+        reason = ""
+        if sink is None:
+            reason = "unsupported"
+            log.warning("KV handle over %s, which this instance does not enable; recomputing",
+                        handle.transport)
+        else:
+            start = time.perf_counter()
+            try:
+                nbytes = sink.fetch(handle, blocks)
+                self.kv_metrics.transferred(handle.transport, nbytes, time.perf_counter() - start)
+                return True
+            except TransferError as e:
+                reason = e.kind.value
+                log.warning("KV pull from %s failed (%s); recomputing", handle.owner, e)
+            except Exception:
+                reason = "error"
+                log.exception("KV pull from %s failed; recomputing", handle.owner)
+        abandon(handle, self._boards)
+        self.kv_metrics.failed(handle.transport, reason)
+        return False
 
     def _on_tokens(self, events: list[TokenEvent]) -> None:
         for ev in events:
@@ -176,4 +229,6 @@ class WorkerModel:
         for seq_id in list(self._pending):
             self._on_finished_early(seq_id, ShuttingDown("server shutting down"))
         self.outbox.close()
+        for sink in self._sinks.values():
+            sink.close()
         self._boards.close()

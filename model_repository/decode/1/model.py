@@ -1,0 +1,3 @@
+from python_backends.serving.worker import WorkerModel as TritonPythonModel
+
+__all__ = ["TritonPythonModel"]

@@ -1,0 +1,3 @@
+from python_backends.serving.prefill import PrefillModel as TritonPythonModel
+
+__all__ = ["TritonPythonModel"]

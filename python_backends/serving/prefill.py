@@ -1,0 +1,114 @@
+"""`prefill`: a prefill instance (dynamic batching). Computes the batch's prompts, returns each
+request's first token and a KV handle naming its leased blocks (see engine.prefill_server)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import torch
+import triton_python_backend_utils as pb_utils
+
+from python_backends.engine.llm_engine import LLMEngine
+from python_backends.engine.prefill_server import PrefillJob, PrefillResult, PrefillServer
+from python_backends.kv_transfer import nixl
+from python_backends.kv_transfer.base import KVSource
+from python_backends.kv_transfer.host_shm import HostShmSource, SharedPool
+from python_backends.kv_transfer.layout import KVLayout
+from python_backends.protocol import GenerationRequest
+from python_backends.serving.common import (
+    ModelArgs,
+    bytes_tensor,
+    error_response,
+    first_bytes,
+    inputs_of,
+    kv_transports,
+    tensor,
+)
+from python_backends.serving.metrics import EngineMetrics, KVTransferMetrics
+
+log = logging.getLogger(__name__)
+
+
+def prefill_response(result: PrefillResult) -> Any:
+    return pb_utils.InferenceResponse([
+        tensor("OUTPUT_IDS", np.array([[result.token_id]], dtype=np.int32)),
+        tensor("OUTPUT_LOG_PROBS", np.array([[result.logprob]], dtype=np.float32)),
+        bytes_tensor("FINISH_REASON", [result.finish_reason.value if result.finish_reason
+                                       else ""]),
+        bytes_tensor("KV_HANDLE", [result.handle.to_json() if result.handle else ""]),
+        tensor("PREFILL_SECONDS", np.array([[result.seconds]], dtype=np.float32)),
+    ])
+
+
+class PrefillModel:
+    def initialize(self, args: dict[str, str]) -> None:
+        margs = ModelArgs(args)
+        transports = kv_transports(margs, default="host_shm,nixl")
+        self._shared: SharedPool | None = None
+
+        def pool(layout: KVLayout) -> torch.Tensor:
+            if "host_shm" not in transports:
+                return torch.zeros(layout.shape, dtype=layout.torch_dtype)
+            self._shared = SharedPool.create(layout)
+            return self._shared.tensor
+
+        engine = LLMEngine.from_engine_dir(
+            margs.engine_dir(), num_kv_blocks=margs.int_param("kv_cache_blocks", 1024),
+            kv_pool=pool,
+        )
+        sources: dict[str, KVSource] = {}
+        for kind in transports:
+            if kind == "host_shm":
+                assert self._shared is not None
+                sources[kind] = HostShmSource(self._shared)
+            else:
+                sources[kind] = nixl.NixlSource(engine.kv_pool, nixl.agent_name(margs.model_name))
+        self.metrics = EngineMetrics(margs.model_name, margs.instance_name)
+        self.kv_metrics = KVTransferMetrics(margs.model_name, margs.instance_name)
+        self.server = PrefillServer(
+            engine, sources, owner=margs.instance_name,
+            lease_s=float(margs.param("kv_lease_seconds", "30")),
+            on_reaped=self._on_reaped,
+        )
+        self.metrics.publish(engine.stats())
+        self.server.start()
+        log.info("%s: KV transports %s", margs.instance_name, ", ".join(sources))
+
+    def _on_reaped(self, num_expired: int) -> None:
+        if num_expired:
+            self.kv_metrics.expired_leases.increment(num_expired)
+        self.metrics.publish(self.server.engine.stats())
+
+    def execute(self, requests: list[Any]) -> list[Any]:
+        jobs: list[PrefillJob | None] = []
+        errors: dict[int, str] = {}
+        for i, request in enumerate(requests):
+            try:
+                inputs = inputs_of(request)
+                req = GenerationRequest.from_json(first_bytes(inputs, "REQUEST"))
+                jobs.append(PrefillJob(req.prompt_ids, req.params, req.kv_transport,
+                                       req.kv_fault, req.priority, req.tenant))
+            except Exception as e:  # malformed internal request: answer it, keep serving
+                jobs.append(None)
+                errors[i] = f"prefill: bad request: {e}"
+        runnable = [j for j in jobs if j is not None]
+        results = iter(self.server.prefill(runnable) if runnable else [])
+        self.metrics.publish(self.server.engine.stats())
+        responses = []
+        for i, job in enumerate(jobs):
+            if job is None:
+                responses.append(error_response(errors[i]))
+                continue
+            result = next(results)
+            if isinstance(result, Exception):
+                responses.append(error_response(f"prefill: {result}"))
+            else:
+                responses.append(prefill_response(result))
+        return responses
+
+    def finalize(self) -> None:
+        self.server.close()
+        if self._shared is not None:
+            self._shared.close()

@@ -1,0 +1,35 @@
+import pytest
+
+from python_backends.protocol import InvalidRequest
+from python_backends.scheduler.routing import Route, Router, RoutingPolicy
+
+
+def test_auto_disaggregates_long_prompts_while_prefill_has_room() -> None:
+    router = Router(RoutingPolicy(disaggregation=True, min_prompt_tokens=100,
+                                  max_inflight_prefills=2))
+    assert router.choose("auto", 99) is Route.AGGREGATED
+    assert router.choose("auto", 100) is Route.DISAGGREGATED
+    assert router.choose("auto", 500) is Route.DISAGGREGATED
+    assert router.inflight_prefills == 2
+    assert router.choose("auto", 500) is Route.AGGREGATED  # prefill group saturated
+    assert router.choose("disaggregated", 5) is Route.DISAGGREGATED  # forcing ignores both
+    router.prefill_done()
+    router.prefill_done()
+    router.prefill_done()
+    assert router.choose("auto", 500) is Route.DISAGGREGATED
+
+
+def test_forced_routes_and_missing_groups() -> None:
+    agg_only = Router(RoutingPolicy(disaggregation=False))
+    assert agg_only.choose("auto", 10_000) is Route.AGGREGATED
+    with pytest.raises(InvalidRequest) as e:
+        agg_only.choose("disaggregated", 10)
+    assert e.value.field == "route"
+    disagg_only = Router(RoutingPolicy(disaggregation=True, aggregation=False))
+    assert disagg_only.choose("auto", 1) is Route.DISAGGREGATED
+    with pytest.raises(InvalidRequest):
+        disagg_only.choose("aggregated", 10)
+    assert Router(RoutingPolicy(disaggregation=True)).choose("aggregated", 10_000) is (
+        Route.AGGREGATED)
+    with pytest.raises(ValueError):
+        RoutingPolicy(disaggregation=False, aggregation=False)
