@@ -123,5 +123,7 @@ def scrape(metrics_url: str) -> dict[str, dict[Labels, float]]:
     return out
 
 
-def metric_sum(metrics: dict[str, dict[Labels, float]], name: str) -> float:
-    return sum(metrics.get(name, {}).values())
+def metric_sum(metrics: dict[str, dict[Labels, float]], name: str, **labels: str) -> float:
+    """Sum of a metric over the series whose labels include `labels`."""
+    want = set(labels.items())
+    return sum(v for k, v in metrics.get(name, {}).items() if want <= k)

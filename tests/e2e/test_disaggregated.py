@@ -1,0 +1,149 @@
+"""Disaggregated serving through the running server: prefill and decode groups in their own
+stub processes, the KV cache crossing between them over NIXL and host shared memory."""
+
+from __future__ import annotations
+
+import math
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from python_backends.client import as_list, metric_sum
+from python_backends.config import EngineConfig
+from tests.e2e.conftest import ENGINE_DIR, MAX_TOKENS, PROMPTS, Reference, Server
+
+pytestmark = pytest.mark.e2e
+GREEDY = {"max_tokens": MAX_TOKENS, "exclude_input_in_output": True}
+PATHS = [
+    {"route": "aggregated"},
+    {"route": "disaggregated", "kv_transport": "nixl"},
+    {"route": "disaggregated", "kv_transport": "host_shm"},
+]
+
+
+def _label(path: dict[str, str]) -> str:
+    return "-".join(path.values())
+
+
+def _metric(server: Server, name: str, **labels: str) -> float:
+    return metric_sum(server.metrics(), name, **labels)
+
+
+@pytest.mark.parametrize("path", PATHS, ids=_label)
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_every_path_matches_hf(
+    server: Server, reference: Reference, prompt: str, path: dict[str, str]
+) -> None:
+    out = server.client.generate(prompt, **GREEDY, **path)
+    assert as_list(out["output_ids"]) == reference.outputs[prompt]
+    assert out["text_output"] == reference.text(prompt)
+    streamed = server.client.stream_collect(prompt, **GREEDY, **path)
+    assert streamed.output_ids == reference.outputs[prompt]
+    assert streamed.text == reference.text(prompt)
+
+
+def _stub_pids(model: str) -> set[int]:
+    pids = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if "triton_python_backend_stub" in cmdline and f"/{model}/1/model.py" in cmdline:
+            pids.add(int(proc.name))
+    return pids
+
+
+@pytest.mark.parametrize("transport", ["nixl", "host_shm"])
+def test_kv_crosses_processes_and_decode_computes_no_prompt(
+    server: Server, reference: Reference, transport: str
+) -> None:
+    prefill, decode = _stub_pids("prefill"), _stub_pids("decode")
+    assert prefill and decode and not prefill & decode
+    prompt = PROMPTS[4]
+    n_prompt = len(reference.tokenizer(prompt)["input_ids"])
+    before = server.metrics()
+    out = server.client.generate(prompt, route="disaggregated", kv_transport=transport, **GREEDY)
+    assert as_list(out["output_ids"]) == reference.outputs[prompt]
+    after = server.metrics()
+
+    def delta(name: str, **labels: str) -> float:
+        return metric_sum(after, name, **labels) - metric_sum(before, name, **labels)
+
+    assert delta("llm_prompt_tokens_computed_total", model="decode") == 0
+    assert delta("llm_prompt_tokens_computed_total", model="prefill") == n_prompt
+    config = EngineConfig.load(ENGINE_DIR)
+    m = config.model
+    block = config.limits.block_size
+    expected = math.ceil(n_prompt / block) * block * m.num_layers * 2 * m.num_kv_heads * (
+        m.head_dim * 4)
+    assert delta("llm_kv_transfer_bytes_total", model="decode", transport=transport) == expected
+    assert delta("llm_kv_transfer_duration_seconds_count", transport=transport) == 1
+    assert delta("llm_kv_transfer_failures_total") == 0
+    assert server.wait_idle() == 0  # the prefill lease was released, decode finished
+
+
+@pytest.mark.parametrize("fault", ["transfer_error", "expire_lease"])
+@pytest.mark.parametrize("transport", ["nixl", "host_shm"])
+def test_failed_handoff_recomputes_correctly(
+    server: Server, reference: Reference, fault: str, transport: str
+) -> None:
+    prompt = PROMPTS[1]
+    n_prompt = len(reference.tokenizer(prompt)["input_ids"])
+    before = server.metrics()
+    out = server.client.stream_collect(prompt, route="disaggregated", kv_transport=transport,
+                                       kv_fault=fault, **GREEDY)
+    assert out.output_ids == reference.outputs[prompt]
+    assert server.wait_idle() == 0  # every group: worker, prefill (lease freed) and decode
+    after = server.metrics()
+
+    def delta(name: str, **labels: str) -> float:
+        return metric_sum(after, name, **labels) - metric_sum(before, name, **labels)
+
+    reason = {"transfer_error": "error", "expire_lease": "expired"}[fault]
+    assert delta("llm_kv_transfer_failures_total", transport=transport, reason=reason) == 1
+    assert delta("llm_kv_transfer_fallbacks_total", transport=transport) == 1
+    assert delta("llm_prompt_tokens_computed_total", model="decode") == n_prompt
+    if fault == "expire_lease":
+        assert delta("llm_kv_lease_expired_total", model="prefill") == 1
+
+
+def test_16_in_flight_across_paths(server: Server, reference: Reference) -> None:
+    work: list[tuple[str, dict[str, Any], bool]] = [
+        (PROMPTS[i % len(PROMPTS)], PATHS[i % len(PATHS)], i % 2 == 1) for i in range(16)
+    ]
+
+    def one(item: tuple[str, dict[str, Any], bool]) -> list[int]:
+        prompt, path, stream = item
+        if stream:
+            return server.client.stream_collect(prompt, **GREEDY, **path).output_ids
+        return as_list(server.client.generate(prompt, **GREEDY, **path)["output_ids"])
+
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(one, work))
+    for (prompt, path, _), ids in zip(work, results, strict=True):
+        assert ids == reference.outputs[prompt], (prompt, path)
+    assert server.wait_idle() == 0
+
+
+def test_auto_route_disaggregates_long_prompts(server: Server) -> None:
+    before = _metric(server, "llm_requests_routed_total", route="disaggregated")
+    short = server.client.generate(PROMPTS[0], max_tokens=4)
+    assert _metric(server, "llm_requests_routed_total", route="disaggregated") == before
+    long_prompt = "Tell me about the history of France. " * 40  # > 256 tokens
+    out = server.client.generate(long_prompt, max_tokens=4)
+    assert out["num_input_tokens"] >= 256 and short["num_output_tokens"] == 4
+    assert _metric(server, "llm_requests_routed_total", route="disaggregated") == before + 1
+
+
+def test_routing_parameters_are_validated(server: Server) -> None:
+    from python_backends.client import GenerateError
+
+    for key, value in (("route", "sideways"), ("kv_transport", "pigeon"), ("kv_fault", "x")):
+        with pytest.raises(GenerateError) as e:
+            server.client.generate(PROMPTS[0], max_tokens=2, **{key: value})
+        assert key in str(e.value)
