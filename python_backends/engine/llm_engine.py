@@ -79,6 +79,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config.limits, self.blocks, enable_chunked_prefill, waiting)
         self.runner = ModelRunner(model, kv_pool, config.limits.block_size)
         self._handoffs: deque[_Handoff] = deque()
+        # Called after a step's handoffs were pulled (a KV sink sends their releases).
+        self.after_handoffs: Callable[[], None] = lambda: None
 
     @classmethod
     def from_engine_dir(
@@ -128,12 +130,14 @@ class LLMEngine:
     def _admit_handoffs(self) -> None:
         """Pull handed-off KV while blocks are free (in arrival order), then queue the
         sequences like any other: computed up to the handed-off tokens, or not at all."""
+        admitted = False
         while self._handoffs:
             h = self._handoffs[0]
             need = self.blocks.blocks_for(h.num_kv_tokens)
             if not self.blocks.can_allocate(need) and self.scheduler.has_unfinished:
-                return  # blocks free up as running sequences finish
+                break  # blocks free up as running sequences finish
             self._handoffs.popleft()
+            admitted = True
             blocks = self.blocks.allocate(need) if self.blocks.can_allocate(need) else None
             if blocks is not None and h.fetch(blocks):
                 h.seq.block_table = blocks
@@ -141,6 +145,8 @@ class LLMEngine:
             elif blocks is not None:
                 self.blocks.release(blocks)
             self.scheduler.add(h.seq)
+        if admitted:
+            self.after_handoffs()
 
     def abort(self, seq_id: str) -> Sequence | None:
         for h in self._handoffs:

@@ -5,8 +5,8 @@ Protocol, whatever the transport:
    ticket on the owner's release board (python_backends.cancel_board) and a deadline.
 2. The handle (JSON, a few hundred bytes plus the transport's location) travels with the request.
 3. The puller (a decode instance) allocates blocks and `fetch`es the owner's blocks into them,
-   which also releases the lease (NIXL: a notification that completes with the READ; same node:
-   the flag on the owner's release board). A fetch that fails, times out or finds the lease
+   then releases the lease (NIXL: a notification, batched until `flush`; same node: the flag
+   on the owner's release board). A fetch that fails, times out or finds the lease
    expired raises `TransferError`; the puller then `abandon`s the lease (its flag, where the
    board is on this node) and recomputes the prompt itself.
 4. The owner frees leased blocks on release, or when the deadline passes (the puller never came,
@@ -101,13 +101,17 @@ class KVSink(ABC):
         self._boards = boards
 
     def fetch(self, handle: KVHandle, dst_blocks: list[int]) -> int:
-        """Copy the handle's blocks into `dst_blocks` of the local pool and release the lease;
-        returns bytes moved."""
+        """Copy the handle's blocks into `dst_blocks` of the local pool and release the lease
+        (some transports only at the next `flush`); returns bytes moved."""
         problem = self.layout.incompatibility(handle.layout)
         if problem is not None:
             raise TransferError(Failure.LAYOUT, f"KV layout mismatch: {problem}")
         if len(dst_blocks) != len(handle.block_ids):
             raise ValueError(f"{len(dst_blocks)} blocks for {len(handle.block_ids)}")
+        if any(not 0 <= b < self.layout.num_blocks for b in dst_blocks):
+            raise ValueError(f"destination blocks outside the pool: {dst_blocks}")
+        if any(not 0 <= b < handle.layout.num_blocks for b in handle.block_ids):
+            raise TransferError(Failure.LAYOUT, "handle names blocks outside its pool")
         if handle.remaining() <= 0:
             raise TransferError(Failure.EXPIRED, f"lease expired {-handle.remaining():.3f} s ago")
         if handle.fault == "transfer_error":
@@ -119,7 +123,11 @@ class KVSink(ABC):
 
     @abstractmethod
     def _pull(self, handle: KVHandle, dst_blocks: list[int]) -> None:
-        """Copy the blocks, then release the lease."""
+        """Copy the blocks, then release the lease or queue its release for `flush`."""
+
+    def flush(self) -> None:
+        """Send queued releases."""
+        return None
 
     def abandon(self, handle: KVHandle) -> None:
         abandon(handle, self._boards)

@@ -4,6 +4,7 @@ and copies the blocks' byte ranges directly. Releases go through the owner's rel
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import mmap
 import os
 import threading
@@ -54,9 +55,6 @@ class SharedPool:
     def name(self) -> str:
         return self.path.name
 
-    def bytes(self) -> torch.Tensor:
-        return self.tensor.view(-1).view(torch.uint8)
-
     def close(self) -> None:
         del self.tensor
         with contextlib.suppress(BufferError):  # a view still lives; the mapping goes with it
@@ -96,10 +94,13 @@ class HostShmSink(KVSink):
             return peer
 
     def _pull(self, handle: KVHandle, dst_blocks: list[int]) -> None:
-        src = self._peer(handle).bytes()
+        src = self._peer(handle).tensor.data_ptr()
+        dst = self._dst.data_ptr()
         ranges = byte_ranges(handle.layout, self.layout, list(handle.block_ids), dst_blocks)
+        # libc memmove on one thread: torch's parallel copy stalls at its thread barrier when a
+        # core is busy elsewhere (the engine loop, the prefill instance), as on small machines.
         for s, d, n in ranges.tolist():
-            self._dst[d : d + n].copy_(src[s : s + n])
+            ctypes.memmove(dst + d, src + s, n)
         self.release_on_board(handle)
 
     def close(self) -> None:

@@ -8,6 +8,8 @@ consecutive blocks merge into longer ranges.
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -80,12 +82,24 @@ class KVLayout:
         return cls(**d)
 
 
+HUGE_PAGE = 2 << 20
+
+
 def allocate_pool(layout: KVLayout, buffer: Any = None) -> torch.Tensor:
-    """A zeroed pool tensor, in `buffer` (a writable buffer of `layout.nbytes`) if given."""
+    """A zeroed pool tensor, in `buffer` (a writable buffer of `layout.nbytes`) if given, else
+    in anonymous memory backed by transparent huge pages where the kernel allows: pulls over
+    NIXL (UCX's cross-process copy) ran 2-3x faster from and into huge pages, and attention's
+    gathers miss the TLB less."""
+    offset = 0
     if buffer is None:
-        return torch.zeros(layout.shape, dtype=layout.torch_dtype)
-    flat = torch.frombuffer(buffer, dtype=layout.torch_dtype, count=layout.nbytes //
-                            layout.torch_dtype.itemsize)
+        # Private: shared anonymous memory is shmem, which gets no huge pages here.
+        buffer = mmap.mmap(-1, layout.nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE)
+        with contextlib.suppress(AttributeError, OSError):
+            buffer.madvise(mmap.MADV_HUGEPAGE)
+        base = torch.frombuffer(buffer, dtype=torch.uint8, count=1).data_ptr()
+        offset = -base % HUGE_PAGE  # huge pages map only 2 MiB-aligned ranges
+    flat = torch.frombuffer(buffer, dtype=layout.torch_dtype,
+                            count=layout.nbytes // layout.torch_dtype.itemsize, offset=offset)
     return flat.view(layout.shape)
 
 

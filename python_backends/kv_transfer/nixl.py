@@ -81,8 +81,9 @@ class NixlSource(KVSource):
         with self.agent.lock:
             notifs = self.agent.agent.get_new_notifs()  # also progresses the agent
         return [
-            int(msg[len(RELEASE_PREFIX) :])
+            int(ticket)
             for msgs in notifs.values() for msg in msgs if msg.startswith(RELEASE_PREFIX)
+            for ticket in msg[len(RELEASE_PREFIX) :].split(b",")
         ]
 
     def close(self) -> None:
@@ -100,6 +101,7 @@ class NixlSink(KVSink):
         self.agent = Agent(name, pool)
         self.timeout_s = timeout_s
         self._peers: set[str] = set()
+        self._releases: dict[str, list[int]] = {}  # peer -> tickets pulled, not yet released
 
     def _peer(self, handle: KVHandle) -> str:
         name = str(handle.location["agent"])
@@ -125,7 +127,7 @@ class NixlSink(KVSink):
                 a.get_xfer_descs(remote, str(loc["mem_type"])), peer,
             )
             try:
-                state = a.transfer(xfer, RELEASE_PREFIX + str(handle.release_ticket).encode())
+                state = a.transfer(xfer)
                 deadline = time.monotonic() + self.timeout_s
                 spins = 0
                 while state == "PROC":
@@ -140,6 +142,17 @@ class NixlSink(KVSink):
                     raise TransferError(Failure.ERROR, f"NIXL READ from {peer} failed: {state}")
             finally:
                 a.release_xfer_handle(xfer)
+        self._releases.setdefault(peer, []).append(handle.release_ticket)
+
+    def flush(self) -> None:
+        if not self._releases:
+            return
+        with self.agent.lock:
+            for peer, tickets in self._releases.items():
+                msg = RELEASE_PREFIX + ",".join(map(str, tickets)).encode()
+                self.agent.agent.send_notif(peer, msg)
+            self._releases.clear()
+            self.agent.agent.get_new_notifs()  # progresses the agent: the messages go out now
 
     def close(self) -> None:
         self.agent.close()

@@ -96,6 +96,10 @@ class KVTransferMetrics:
 
     def __init__(self, model: str, instance: str) -> None:
         self._labels = {"model": model, "instance": instance}
+        self.prefill_time = _metric(
+            "llm_prefill_time_seconds", "Time a prefill instance spent on a request's batch",
+            pb_utils.MetricFamily.HISTOGRAM, self._labels, LATENCY_BUCKETS,
+        )
         self.expired_leases = _metric(
             "llm_kv_lease_expired_total",
             "Leased KV blocks freed at their deadline because no decoder released them",

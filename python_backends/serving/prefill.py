@@ -105,6 +105,7 @@ class PrefillModel:
             if isinstance(result, Exception):
                 responses.append(error_response(f"prefill: {result}"))
             else:
+                self.kv_metrics.prefill_time.observe(result.seconds)
                 responses.append(prefill_response(result))
         return responses
 

@@ -138,6 +138,7 @@ class WorkerModel:
             is_cancelled=lambda seq_id: self._pending[seq_id].is_cancelled(),
             on_step=self._on_step,
         )
+        engine.after_handoffs = self._flush_releases
         self.metrics.publish(engine.stats())
         self.loop.start()
 
@@ -191,6 +192,13 @@ class WorkerModel:
         abandon(handle, self._boards)
         self.kv_metrics.failed(handle.transport, reason)
         return False
+
+    def _flush_releases(self) -> None:
+        for sink in self._sinks.values():
+            try:
+                sink.flush()
+            except Exception:  # the owner reaps the leases when they expire
+                log.exception("sending KV lease releases failed")
 
     def _on_tokens(self, events: list[TokenEvent]) -> None:
         for ev in events:

@@ -16,9 +16,11 @@ def test_metrics_present_and_moving(server: Server) -> None:
                  "llm_kv_cache_usage_ratio", "llm_num_requests_running",
                  "llm_num_requests_waiting", "llm_num_preemptions_total"):
         labels = {dict(k)["instance"] for k in before[name]}
-        assert labels == {"worker_0_0"}, name
-    assert metric_sum(before, "llm_kv_cache_blocks_total") == 1024
-    result = server.client.stream_collect("Count to ten:", max_tokens=12, end_id=-1)
+        assert labels == {"worker_0_0", "prefill_0_0", "decode_0_0"}, name  # every group
+    assert metric_sum(before, "llm_kv_cache_blocks_total", model="worker") == 1024
+    assert metric_sum(before, "llm_kv_cache_blocks_total", model="prefill") == 512
+    result = server.client.stream_collect("Count to ten:", max_tokens=12, end_id=-1,
+                                          route="aggregated")
     assert len(result.output_ids) == 12
     after = server.metrics()
     ttft = "llm_time_to_first_token_seconds"

@@ -79,6 +79,11 @@ def _continue(
                 return False
         return fetch
 
+    def flush() -> None:
+        for sink in sinks.values():
+            sink.flush()
+
+    engine.after_handoffs = flush
     for i, (res, prompt) in enumerate(zip(results, batch, strict=True)):
         assert res.handle is not None and res.finish_reason is None
         outputs[f"s{i}"] = [res.token_id]

@@ -89,6 +89,7 @@ def test_pull_releases_the_lease_across_processes(kind: str, owner: Any) -> None
     for sb, db in zip(handle.block_ids, dst_blocks, strict=True):
         assert torch.equal(dst[:, :, db * bs : (db + 1) * bs], src[:, :, sb * bs : (sb + 1) * bs])
     assert dst[:, :, 2 * bs : 9 * bs].abs().sum() == 0  # nothing else was written
+    sink.flush()
     assert conn.poll(10) and conn.recv() is False  # released, not expired
     sink.close()
     boards.close()
