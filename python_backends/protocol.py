@@ -101,7 +101,7 @@ MAX_TENANT_LEN = 64
 # handoff failure: "transfer_error" (the pull fails) or "expire_lease" (the lease is already over
 # when the decode instance pulls); either way decode recomputes the prompt.
 ROUTES = ("auto", "aggregated", "disaggregated")
-KV_TRANSPORTS = ("nixl", "host_shm")
+KV_TRANSPORTS = ("nixl", "host_shm", "cuda_ipc")
 KV_FAULTS = ("transfer_error", "expire_lease")
 ROUTING_PARAMETERS = {"route": ROUTES, "kv_transport": KV_TRANSPORTS, "kv_fault": KV_FAULTS}
 

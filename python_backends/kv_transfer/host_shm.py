@@ -32,7 +32,10 @@ class SharedPool:
         try:
             if owner:
                 os.ftruncate(fd, layout.nbytes)
-            self._map = mmap.mmap(fd, layout.nbytes)
+            # Populate: map every page now, not at first touch; a pull that faulted in fresh
+            # 4 KiB pages (shared memory gets no huge pages here) ran at half speed.
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            self._map = mmap.mmap(fd, layout.nbytes, flags=flags)
         finally:
             os.close(fd)
         self.tensor = allocate_pool(layout, self._map)

@@ -91,7 +91,8 @@ def allocate_pool(layout: KVLayout, buffer: Any = None) -> torch.Tensor:
     NIXL (UCX's cross-process copy) ran 2-3x faster from and into huge pages, and attention's
     gathers miss the TLB less."""
     offset = 0
-    if buffer is None:
+    anonymous = buffer is None
+    if anonymous:
         # Private: shared anonymous memory is shmem, which gets no huge pages here.
         buffer = mmap.mmap(-1, layout.nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE)
         with contextlib.suppress(AttributeError, OSError):
@@ -100,6 +101,8 @@ def allocate_pool(layout: KVLayout, buffer: Any = None) -> torch.Tensor:
         offset = -base % HUGE_PAGE  # huge pages map only 2 MiB-aligned ranges
     flat = torch.frombuffer(buffer, dtype=layout.torch_dtype,
                             count=layout.nbytes // layout.torch_dtype.itemsize, offset=offset)
+    if anonymous:
+        flat.zero_()  # fault every page in now: a pull into untouched pages ran 5-10x slower
     return flat.view(layout.shape)
 
 

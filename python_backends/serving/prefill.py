@@ -14,6 +14,7 @@ from python_backends.engine.llm_engine import LLMEngine
 from python_backends.engine.prefill_server import PrefillJob, PrefillResult, PrefillServer
 from python_backends.kv_transfer import nixl
 from python_backends.kv_transfer.base import KVSource
+from python_backends.kv_transfer.cuda_ipc import CudaIpcSource
 from python_backends.kv_transfer.host_shm import HostShmSource, SharedPool
 from python_backends.kv_transfer.layout import KVLayout
 from python_backends.protocol import GenerationRequest
@@ -63,6 +64,13 @@ class PrefillModel:
             if kind == "host_shm":
                 assert self._shared is not None
                 sources[kind] = HostShmSource(self._shared)
+            elif kind == "cuda_ipc":
+                if not engine.kv_pool.is_cuda:
+                    raise pb_utils.TritonModelException(
+                        f"{margs.model_name}: kv_transports cuda_ipc needs a CUDA engine; "
+                        "this engine's KV pool is in host memory"
+                    )
+                sources[kind] = CudaIpcSource(engine.kv_pool)
             else:
                 sources[kind] = nixl.NixlSource(engine.kv_pool, nixl.agent_name(margs.model_name))
         self.metrics = EngineMetrics(margs.model_name, margs.instance_name)

@@ -28,6 +28,7 @@ from python_backends.engine.llm_engine import LLMEngine, TokenEvent
 from python_backends.engine.waiting_queue import PriorityFairQueue
 from python_backends.kv_transfer import nixl
 from python_backends.kv_transfer.base import KVHandle, KVSink, TransferError, abandon
+from python_backends.kv_transfer.cuda_ipc import CudaIpcSink
 from python_backends.kv_transfer.host_shm import HostShmSink
 from python_backends.protocol import GenerationRequest
 from python_backends.serving.common import (
@@ -124,6 +125,13 @@ class WorkerModel:
         for kind in kv_transports(margs):
             if kind == "host_shm":
                 self._sinks[kind] = HostShmSink(engine.kv_layout, engine.kv_pool, self._boards)
+            elif kind == "cuda_ipc":
+                if not engine.kv_pool.is_cuda:
+                    raise pb_utils.TritonModelException(
+                        f"{margs.model_name}: kv_transports cuda_ipc needs a CUDA engine; "
+                        "this engine's KV pool is in host memory"
+                    )
+                self._sinks[kind] = CudaIpcSink(engine.kv_layout, engine.kv_pool, self._boards)
             else:
                 self._sinks[kind] = nixl.NixlSink(
                     engine.kv_layout, engine.kv_pool, nixl.agent_name(margs.model_name),

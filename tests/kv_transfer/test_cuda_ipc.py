@@ -1,0 +1,63 @@
+"""CUDA IPC handoff between processes (needs a GPU; skipped elsewhere by the `gpu` marker)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from python_backends.cancel_board import BoardCache, CancelBoard
+from python_backends.kv_transfer.base import KVHandle
+from python_backends.kv_transfer.layout import KVLayout
+
+pytestmark = pytest.mark.gpu
+LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=16, block_size=4, dtype="float32",
+                  num_blocks=24)
+
+
+def _owner(conn: Any) -> None:
+    from python_backends.kv_transfer.cuda_ipc import CudaIpcSource
+
+    torch.manual_seed(0)
+    pool = torch.randn(LAYOUT.shape, device="cuda")
+    board = CancelBoard.create(size=4)
+    ticket = board.acquire()
+    source = CudaIpcSource(pool)
+    handle = KVHandle("cuda_ipc", "owner", LAYOUT, (3, 4, 17), 10, time.time() + 30,
+                      board.name, ticket, source.location())
+    conn.send((handle.to_json(), pool.cpu()))
+    deadline = time.time() + 30
+    while not board.is_cancelled(ticket) and time.time() < deadline:
+        time.sleep(0.001)
+    conn.send(board.is_cancelled(ticket))
+    conn.recv()
+    board.close()
+
+
+def test_pull_device_to_device_across_processes() -> None:
+    from python_backends.kv_transfer.cuda_ipc import CudaIpcSink
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_owner, args=(child,), daemon=True)
+    proc.start()
+    text, src = parent.recv()
+    handle = KVHandle.from_json(text)
+    dst_layout = KVLayout(**{**LAYOUT.to_dict(), "num_blocks": 8})
+    dst = torch.zeros(dst_layout.shape, device="cuda")
+    boards = BoardCache()
+    sink = CudaIpcSink(dst_layout, dst, boards)
+    dst_blocks = [7, 0, 1]
+    assert sink.fetch(handle, dst_blocks) == handle.nbytes
+    bs = LAYOUT.block_size
+    out = dst.cpu()
+    for sb, db in zip(handle.block_ids, dst_blocks, strict=True):
+        assert torch.equal(out[:, :, db * bs : (db + 1) * bs], src[:, :, sb * bs : (sb + 1) * bs])
+    assert not out[:, :, 2 * bs : 7 * bs].any()
+    assert parent.recv() is True  # released on the owner's board
+    parent.send("bye")
+    proc.join(10)
+    boards.close()
