@@ -23,14 +23,20 @@ class _Add:
     params: SamplingParams
     priority: int
     tenant: str
+    prefill_only: bool = False
 
 
 @dataclass(frozen=True)
 class _Handoff(_Add):
-    first_token: int
-    first_logprob: float
-    num_kv_tokens: int
-    fetch: KVFetch
+    first_token: int = 0
+    first_logprob: float = 0.0
+    num_kv_tokens: int = 0
+    fetch: KVFetch = lambda _blocks: False
+
+
+@dataclass(frozen=True)
+class _Call:
+    fn: Callable[[LLMEngine], None]
 
 
 @dataclass(frozen=True)
@@ -60,7 +66,7 @@ class EngineLoop:
         self._on_finished_early = on_finished_early
         self._is_cancelled = is_cancelled
         self._on_step = on_step
-        self._inbox: queue.Queue[_Add | _Abort | None] = queue.Queue()
+        self._inbox: queue.Queue[_Add | _Abort | _Call | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._stopping = False
 
@@ -70,13 +76,18 @@ class EngineLoop:
     def stop(self, timeout: float = 10.0) -> None:
         self._stopping = True
         self._inbox.put(None)
-        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
 
     def submit(
         self, seq_id: str, prompt_ids: list[int], params: SamplingParams,
-        priority: int = 0, tenant: str = "default",
+        priority: int = 0, tenant: str = "default", prefill_only: bool = False,
     ) -> None:
-        self._inbox.put(_Add(seq_id, prompt_ids, params, priority, tenant))
+        self._inbox.put(_Add(seq_id, prompt_ids, params, priority, tenant, prefill_only))
+
+    def call(self, fn: Callable[[LLMEngine], None]) -> None:
+        """Run `fn(engine)` on the loop thread between steps (e.g. to free blocks)."""
+        self._inbox.put(_Call(fn))
 
     def submit_handoff(
         self, seq_id: str, prompt_ids: list[int], params: SamplingParams, first_token: int,
@@ -85,8 +96,8 @@ class EngineLoop:
     ) -> None:
         """A sequence another instance prefilled (see LLMEngine.add_handoff); `fetch` runs on
         the loop thread."""
-        self._inbox.put(_Handoff(seq_id, prompt_ids, params, priority, tenant, first_token,
-                                 first_logprob, num_kv_tokens, fetch))
+        self._inbox.put(_Handoff(seq_id, prompt_ids, params, priority, tenant, False,
+                                 first_token, first_logprob, num_kv_tokens, fetch))
 
     def abort(self, seq_id: str) -> None:
         self._inbox.put(_Abort(seq_id))
@@ -103,8 +114,13 @@ class EngineLoop:
             except queue.Empty:
                 return
 
-    def _apply(self, msg: _Add | _Abort) -> None:
-        if isinstance(msg, _Add):
+    def _apply(self, msg: _Add | _Abort | _Call) -> None:
+        if isinstance(msg, _Call):
+            try:
+                msg.fn(self.engine)
+            except Exception:
+                log.exception("a call on the engine loop failed")
+        elif isinstance(msg, _Add):
             try:
                 if isinstance(msg, _Handoff):
                     self.engine.add_handoff(
@@ -113,7 +129,8 @@ class EngineLoop:
                     )
                 else:
                     self.engine.add_request(
-                        msg.seq_id, msg.prompt_ids, msg.params, msg.priority, msg.tenant
+                        msg.seq_id, msg.prompt_ids, msg.params, msg.priority, msg.tenant,
+                        msg.prefill_only,
                     )
             except ValueError as e:
                 self._on_finished_early(msg.seq_id, e)

@@ -47,6 +47,10 @@ class TokenEvent:
     num_prompt_tokens: int
     num_output_tokens: int
     queue_time: float | None = None  # with a sequence's first token: seconds it waited
+    # A prefill-only sequence done with its prompt: the KV blocks it hands over (the receiver
+    # owns them now and releases them with `LLMEngine.blocks.release`), holding `kv_tokens`.
+    kv_blocks: tuple[int, ...] | None = None
+    kv_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -175,18 +179,25 @@ class LLMEngine:
         logits, sampling = self.runner.run(out)
         result = sample(sampling, logits) if sampling else SampleResult([], None)
         seqs = self.scheduler.update(out, result)
-        return [
-            TokenEvent(
-                seq_id=s.seq_id,
-                token_id=s.output_ids[-1],
-                logprob=s.output_logprobs[-1] if s.params.return_log_probs else None,
-                finish_reason=s.finish_reason,
-                num_prompt_tokens=s.num_prompt_tokens,
-                num_output_tokens=s.num_output_tokens,
-                queue_time=s.queue_time if s.num_output_tokens == 1 else None,
-            )
-            for s in seqs
-        ]
+        return [self._event(s) for s in seqs]
+
+    @staticmethod
+    def _event(s: Sequence) -> TokenEvent:
+        handed_over = s.prefill_only and s.is_finished and s.finish_reason is None
+        event = TokenEvent(
+            seq_id=s.seq_id,
+            token_id=s.output_ids[-1],
+            logprob=s.output_logprobs[-1] if s.params.return_log_probs else None,
+            finish_reason=s.finish_reason,
+            num_prompt_tokens=s.num_prompt_tokens,
+            num_output_tokens=s.num_output_tokens,
+            queue_time=s.queue_time if s.num_output_tokens == 1 else None,
+            kv_blocks=tuple(s.block_table) if handed_over else None,
+            kv_tokens=s.num_computed_tokens if handed_over else 0,
+        )
+        if handed_over:
+            s.block_table = []
+        return event
 
     def stats(self) -> EngineStats:
         return EngineStats(

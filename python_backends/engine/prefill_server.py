@@ -1,8 +1,10 @@
-"""A prefill instance: computes prompts in batches and leases their KV blocks to decoders.
+"""A prefill instance: computes prompts and leases their KV blocks to decode instances.
 
-Free of Triton (`serving.prefill` wires it to requests). The caller's thread runs the engine;
-a reaper thread frees leased blocks when a puller releases them or the lease runs out, and, for
-NIXL, keeps the agent progressing while leases are out (the puller's READs need it).
+Free of Triton (`serving.prefill` wires it to requests). Prompts join one continuous batch (an
+`EngineLoop` of prefill-only sequences), so a short prompt is answered as soon as its own first
+token is drawn, not when a long one submitted with it finishes. Each finished prompt's blocks
+go under a lease; a reaper thread watches for releases (the owner's board, NIXL notifications,
+which it also keeps progressing) and expiries, and has the loop free those blocks.
 """
 
 from __future__ import annotations
@@ -13,10 +15,12 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 from python_backends.cancel_board import CancelBoard
-from python_backends.engine.llm_engine import LLMEngine
-from python_backends.engine.sequence import FinishReason, SamplingParams, Sequence
+from python_backends.engine.engine_loop import EngineLoop
+from python_backends.engine.llm_engine import LLMEngine, TokenEvent
+from python_backends.engine.sequence import FinishReason, SamplingParams
 from python_backends.kv_transfer.base import KVHandle, KVSource
 from python_backends.kv_transfer.leases import LeaseTable, Reaped
 
@@ -41,15 +45,27 @@ class PrefillResult:
     logprob: float
     finish_reason: FinishReason | None  # set when the first token already ends the sequence
     handle: KVHandle | None  # the leased KV when the sequence goes on
-    seconds: float  # this job's batch: from start to first token
+    seconds: float  # submission to first token
+
+
+Done = Callable[[PrefillResult | Exception], None]
+
+
+@dataclass(frozen=True)
+class _Pending:
+    job: PrefillJob
+    done: Done
+    start: float
 
 
 class PrefillServer:
     def __init__(
         self, engine: LLMEngine, sources: dict[str, KVSource], owner: str,
         lease_s: float = 30.0, on_reaped: Callable[[int], None] = lambda _expired: None,
+        on_step: Callable[[LLMEngine], None] = lambda _engine: None,
     ) -> None:
-        """`on_reaped(num_expired)`: called on the reaper thread after leases were freed."""
+        """`on_reaped(num_expired)`: after leases were reaped (reaper thread). `on_step`: after
+        every engine step and when idle (loop thread)."""
         if not sources:
             raise ValueError("a prefill server needs at least one KV transport")
         self.engine = engine
@@ -60,83 +76,95 @@ class PrefillServer:
         self._on_reaped = on_reaped
         self.board = CancelBoard.create()  # release flags, one ticket per lease
         self.leases = LeaseTable(self.board)
+        self._leases_lock = threading.Lock()
         self.num_released = 0
         self.num_expired = 0
-        self._lock = threading.Lock()  # the engine's block manager and the lease table
+        self._pending: dict[str, _Pending] = {}
+        self.loop = EngineLoop(engine, on_tokens=self._on_tokens,
+                               on_finished_early=self._on_finished_early, on_step=on_step)
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, name="kv-reaper", daemon=True)
 
     def start(self) -> None:
+        self.loop.start()
         self._reaper.start()
 
-    def prefill(self, jobs: list[PrefillJob]) -> list[PrefillResult | Exception]:
-        """Run the jobs' prompts as one batch; per job, a result or why it was refused."""
-        start = time.monotonic()
-        seqs: dict[int, Sequence] = {}
-        out: list[PrefillResult | Exception] = []
-        with self._lock:
-            for i, job in enumerate(jobs):
-                if job.transport and job.transport not in self.sources:
-                    out.append(ValueError(f"KV transport {job.transport!r} is not enabled here "
-                                          f"(enabled: {', '.join(self.sources)})"))
-                    continue
-                try:
-                    seqs[i] = self.engine.add_request(
-                        uuid.uuid4().hex, job.prompt_ids, job.params, job.priority, job.tenant,
-                        prefill_only=True,
-                    )
-                except ValueError as e:
-                    out.append(e)
-                    continue
-                out.append(ValueError("not run"))  # replaced by the result below
-        while not all(s.is_finished for s in seqs.values()):
-            with self._lock:
-                stepped = self.engine.step()
-            if not stepped:  # every block leased: wait for releases or expiries
-                time.sleep(POLL_BUSY_S)
-        seconds = time.monotonic() - start
-        with self._lock:
-            for i, seq in seqs.items():
-                out[i] = self._result(seq, jobs[i], seconds)
-        return out
+    def submit(self, job: PrefillJob, done: Done) -> None:
+        """Queue a prompt; `done` gets its result, or why it was refused, on the loop thread."""
+        if job.transport and job.transport not in self.sources:
+            done(ValueError(f"KV transport {job.transport!r} is not enabled here "
+                            f"(enabled: {', '.join(self.sources)})"))
+            return
+        seq_id = uuid.uuid4().hex
+        self._pending[seq_id] = _Pending(job, done, time.monotonic())
+        self.loop.submit(seq_id, job.prompt_ids, job.params, job.priority, job.tenant,
+                         prefill_only=True)
 
-    def _result(self, seq: Sequence, job: PrefillJob, seconds: float) -> PrefillResult:
-        token, logprob = seq.output_ids[0], (seq.output_logprobs or [0.0])[0]
-        if seq.finish_reason is not None:  # done at its first token; blocks already freed
-            return PrefillResult(token, logprob, seq.finish_reason, None, seconds)
+    def prefill(self, jobs: list[PrefillJob], timeout: float = 600.0,
+                ) -> list[PrefillResult | Exception]:
+        """Submit the jobs together and wait for all results (tests, benchmarks)."""
+        results: list[PrefillResult | Exception | None] = [None] * len(jobs)
+        left = threading.Semaphore(0)
+
+        def done(i: int, result: PrefillResult | Exception) -> None:
+            results[i] = result
+            left.release()
+
+        for i, job in enumerate(jobs):
+            self.submit(job, partial(done, i))
+        for _ in jobs:
+            if not left.acquire(timeout=timeout):
+                raise TimeoutError("prefill did not finish")
+        return [r for r in results if r is not None]
+
+    def _on_tokens(self, events: list[TokenEvent]) -> None:
+        now = time.monotonic()
+        for ev in events:
+            pending = self._pending.pop(ev.seq_id)
+            logprob = ev.logprob or 0.0
+            handle = self._lease(ev, pending.job) if ev.kv_blocks is not None else None
+            pending.done(PrefillResult(ev.token_id, logprob, ev.finish_reason, handle,
+                                       now - pending.start))
+
+    def _lease(self, ev: TokenEvent, job: PrefillJob) -> KVHandle:
+        assert ev.kv_blocks is not None
         transport = job.transport or self.default_transport
-        lease = self.leases.grant(seq.block_table, 0.0 if job.fault == "expire_lease"
-                                  else self.lease_s)
-        handle = KVHandle(
+        duration = 0.0 if job.fault == "expire_lease" else self.lease_s
+        with self._leases_lock:
+            lease = self.leases.grant(ev.kv_blocks, duration)
+        return KVHandle(
             transport=transport,
             owner=self.owner,
             layout=self.engine.kv_layout,
             block_ids=lease.blocks,
-            num_tokens=seq.num_computed_tokens,
+            num_tokens=ev.kv_tokens,
             deadline=lease.deadline,
             release_board=self.board.name,
             release_ticket=lease.ticket,
             location=self.sources[transport].location(),
             fault=job.fault if job.fault == "transfer_error" else "",
         )
-        seq.block_table = []
-        return PrefillResult(token, logprob, None, handle, seconds)
+
+    def _on_finished_early(self, seq_id: str, error: Exception | None) -> None:
+        pending = self._pending.pop(seq_id)
+        pending.done(error if error is not None else RuntimeError("prefill cancelled"))
 
     def reap(self) -> list[Reaped]:
-        """Free the blocks of released and expired leases."""
+        """Take the released and expired leases off the table; the loop frees their blocks."""
         released = [t for source in self.sources.values() for t in source.released()]
-        with self._lock:
+        with self._leases_lock:
             reaped = self.leases.reap(released)
-            for r in reaped:
-                self.engine.blocks.release(list(r.lease.blocks))
-                if r.expired:
-                    self.num_expired += 1
-                    log.warning("KV lease %d expired: freed %d blocks a decoder never released",
-                                r.lease.ticket, len(r.lease.blocks))
-                else:
-                    self.num_released += 1
-        if reaped:
-            self._on_reaped(sum(r.expired for r in reaped))
+        if not reaped:
+            return reaped
+        blocks = [b for r in reaped for b in r.lease.blocks]
+        self.loop.call(lambda engine: engine.blocks.release(blocks))
+        expired = [r for r in reaped if r.expired]
+        self.num_expired += len(expired)
+        self.num_released += len(reaped) - len(expired)
+        for r in expired:
+            log.warning("KV lease %d expired: freeing %d blocks no decoder released",
+                        r.lease.ticket, len(r.lease.blocks))
+        self._on_reaped(len(expired))
         return reaped
 
     def _reap_loop(self) -> None:
@@ -151,6 +179,9 @@ class PrefillServer:
         self._stop.set()
         if self._reaper.is_alive():
             self._reaper.join(5)
+        self.loop.stop()
+        for seq_id in list(self._pending):
+            self._on_finished_early(seq_id, RuntimeError("prefill instance shutting down"))
         for source in self.sources.values():
             source.close()
         self.board.close()

@@ -6,12 +6,14 @@ Labels identify the model and instance, never the request.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import triton_python_backend_utils as pb_utils
 
-from python_backends.engine.llm_engine import EngineStats
+from python_backends.engine.llm_engine import EngineStats, LLMEngine
 
+PUBLISH_INTERVAL_S = 0.05
 LATENCY_BUCKETS = [
     0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
     20.0, 40.0,
@@ -54,7 +56,16 @@ class EngineMetrics:
         )
         self._labels = labels
         self._publish_lock = threading.Lock()
+        self._last_publish = 0.0
         self._priorities_seen: dict[str, set[int]] = {"running": set(), "waiting": set()}
+
+    def publish_throttled(self, engine: LLMEngine) -> None:
+        """After an engine step (loop thread): publish at most every PUBLISH_INTERVAL_S, and
+        whenever the engine is idle."""
+        now = time.monotonic()
+        if now - self._last_publish >= PUBLISH_INTERVAL_S or not engine.has_unfinished:
+            self._last_publish = now
+            self.publish(engine.stats())
 
     def publish(self, stats: EngineStats) -> None:
         with self._publish_lock:  # callers on several threads (prefill: requests, reaper)

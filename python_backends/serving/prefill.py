@@ -1,9 +1,11 @@
-"""`prefill`: a prefill instance (dynamic batching). Computes the batch's prompts, returns each
-request's first token and a KV handle naming its leased blocks (see engine.prefill_server)."""
+"""`prefill`: a prefill instance (decoupled, Triton dynamic batching). Each prompt joins the
+instance's continuous batch; its response (first token and a KV handle naming its leased blocks)
+goes out as soon as that prompt is done (see engine.prefill_server)."""
 
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -16,10 +18,12 @@ from python_backends.kv_transfer import nixl
 from python_backends.kv_transfer.base import KVSource
 from python_backends.kv_transfer.cuda_ipc import CudaIpcSource
 from python_backends.kv_transfer.host_shm import HostShmSource, SharedPool
-from python_backends.kv_transfer.layout import KVLayout
+from python_backends.kv_transfer.layout import KVLayout, allocate_pool
 from python_backends.protocol import GenerationRequest
 from python_backends.serving.common import (
+    FINAL,
     ModelArgs,
+    Outbox,
     bytes_tensor,
     error_response,
     first_bytes,
@@ -46,17 +50,17 @@ def prefill_response(result: PrefillResult) -> Any:
 class PrefillModel:
     def initialize(self, args: dict[str, str]) -> None:
         margs = ModelArgs(args)
-        transports = kv_transports(margs, default="host_shm,nixl")
+        transports = kv_transports(margs, default="nixl,host_shm")
         self._shared: SharedPool | None = None
 
         def pool(layout: KVLayout) -> torch.Tensor:
             if "host_shm" not in transports:
-                return torch.zeros(layout.shape, dtype=layout.torch_dtype)
+                return allocate_pool(layout)
             self._shared = SharedPool.create(layout)
             return self._shared.tensor
 
         engine = LLMEngine.from_engine_dir(
-            margs.engine_dir(), num_kv_blocks=margs.int_param("kv_cache_blocks", 1024),
+            margs.engine_dir(), num_kv_blocks=margs.int_param("kv_cache_blocks", 512),
             kv_pool=pool,
         )
         sources: dict[str, KVSource] = {}
@@ -75,10 +79,11 @@ class PrefillModel:
                 sources[kind] = nixl.NixlSource(engine.kv_pool, nixl.agent_name(margs.model_name))
         self.metrics = EngineMetrics(margs.model_name, margs.instance_name)
         self.kv_metrics = KVTransferMetrics(margs.model_name, margs.instance_name)
+        self.outbox = Outbox()
         self.server = PrefillServer(
             engine, sources, owner=margs.instance_name,
             lease_s=float(margs.param("kv_lease_seconds", "30")),
-            on_reaped=self._on_reaped,
+            on_reaped=self._on_reaped, on_step=self.metrics.publish_throttled,
         )
         self.metrics.publish(engine.stats())
         self.server.start()
@@ -87,37 +92,30 @@ class PrefillModel:
     def _on_reaped(self, num_expired: int) -> None:
         if num_expired:
             self.kv_metrics.expired_leases.increment(num_expired)
-        self.metrics.publish(self.server.engine.stats())
 
-    def execute(self, requests: list[Any]) -> list[Any]:
-        jobs: list[PrefillJob | None] = []
-        errors: dict[int, str] = {}
-        for i, request in enumerate(requests):
+    def execute(self, requests: list[Any]) -> None:
+        for request in requests:
+            sender = request.get_response_sender()
             try:
-                inputs = inputs_of(request)
-                req = GenerationRequest.from_json(first_bytes(inputs, "REQUEST"))
-                jobs.append(PrefillJob(req.prompt_ids, req.params, req.kv_transport,
-                                       req.kv_fault, req.priority, req.tenant))
+                req = GenerationRequest.from_json(first_bytes(inputs_of(request), "REQUEST"))
             except Exception as e:  # malformed internal request: answer it, keep serving
-                jobs.append(None)
-                errors[i] = f"prefill: bad request: {e}"
-        runnable = [j for j in jobs if j is not None]
-        results = iter(self.server.prefill(runnable) if runnable else [])
-        self.metrics.publish(self.server.engine.stats())
-        responses = []
-        for i, job in enumerate(jobs):
-            if job is None:
-                responses.append(error_response(errors[i]))
+                sender.send(error_response(f"prefill: bad request: {e}"), flags=FINAL)
                 continue
-            result = next(results)
-            if isinstance(result, Exception):
-                responses.append(error_response(f"prefill: {result}"))
-            else:
-                self.kv_metrics.prefill_time.observe(result.seconds)
-                responses.append(prefill_response(result))
-        return responses
+            job = PrefillJob(req.prompt_ids, req.params, req.kv_transport, req.kv_fault,
+                             req.priority, req.tenant)
+            self.server.submit(job, partial(self._done, sender))
+        return None
+
+    def _done(self, sender: Any, result: PrefillResult | Exception) -> None:
+        """On the engine loop thread: queue the response, never block the loop."""
+        if isinstance(result, Exception):
+            self.outbox.put(sender, partial(error_response, f"prefill: {result}"), FINAL)
+            return
+        self.kv_metrics.prefill_time.observe(result.seconds)
+        self.outbox.put(sender, partial(prefill_response, result), FINAL)
 
     def finalize(self) -> None:
         self.server.close()
+        self.outbox.close()
         if self._shared is not None:
             self._shared.close()

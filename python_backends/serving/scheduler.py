@@ -230,7 +230,7 @@ class SchedulerModel:
     ) -> tuple[int, float, str, bytes] | None:
         """First token, its log-prob, finish reason and KV handle from the prefill group; None
         when it failed (logged)."""
-        response = pb_utils.InferenceRequest(
+        responses = pb_utils.InferenceRequest(
             model_name=self.prefill_model,
             inputs=[
                 tensor("INPUT_IDS", np.array([req.prompt_ids], dtype=np.int32)),
@@ -238,16 +238,20 @@ class SchedulerModel:
             ],
             requested_output_names=["OUTPUT_IDS", "OUTPUT_LOG_PROBS", "FINISH_REASON",
                                     "KV_HANDLE"],
-        ).exec()
-        if response.has_error():
-            log.warning("prefill failed, decode will recompute: %s", response.error().message())
-            return None
-        return (
-            int(_output(response, "OUTPUT_IDS").reshape(-1)[0]),
-            float(_output(response, "OUTPUT_LOG_PROBS").reshape(-1)[0]),
-            bytes(_output(response, "FINISH_REASON").reshape(-1)[0]).decode(),
-            bytes(_output(response, "KV_HANDLE").reshape(-1)[0]),
-        )
+        ).exec(decoupled=True)
+        result = None
+        for response in responses:  # one answer, then the final flag
+            if response.has_error():
+                log.warning("prefill failed, decode will recompute: %s",
+                            response.error().message())
+            elif response.output_tensors():
+                result = (
+                    int(_output(response, "OUTPUT_IDS").reshape(-1)[0]),
+                    float(_output(response, "OUTPUT_LOG_PROBS").reshape(-1)[0]),
+                    bytes(_output(response, "FINISH_REASON").reshape(-1)[0]).decode(),
+                    bytes(_output(response, "KV_HANDLE").reshape(-1)[0]),
+                )
+        return result
 
     def _relay(self, model: str, inputs: list[Any], state: RequestStream, call: _Call) -> None:
         """Stream an engine model's responses to the client as chunks."""

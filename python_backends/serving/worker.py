@@ -10,11 +10,8 @@ from __future__ import annotations
 
 import json
 import logging
-import queue
-import threading
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -34,6 +31,8 @@ from python_backends.protocol import GenerationRequest
 from python_backends.serving.common import (
     FINAL,
     ModelArgs,
+    Outbox,
+    ShuttingDown,
     bytes_tensor,
     cancel_target,
     error_response,
@@ -46,8 +45,6 @@ from python_backends.serving.common import (
 from python_backends.serving.metrics import EngineMetrics, KVTransferMetrics
 
 log = logging.getLogger(__name__)
-METRICS_INTERVAL_S = 0.05
-
 
 @dataclass
 class _Pending:
@@ -73,34 +70,6 @@ def engine_response(
         tensor("NUM_INPUT_TOKENS", np.array([num_input_tokens], dtype=np.int32)),
         tensor("NUM_OUTPUT_TOKENS", np.array([num_output_tokens], dtype=np.int32)),
     ])
-
-
-class ShuttingDown(RuntimeError):
-    pass
-
-
-class Outbox:
-    """Sends responses on its own thread, in order. Each send is an IPC round trip to the
-    server; done here, they overlap the engine's next step instead of delaying it."""
-
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="outbox", daemon=True)
-        self._thread.start()
-
-    def put(self, sender: Any, make_response: Callable[[], Any], flags: int = 0) -> None:
-        self._queue.put(lambda: sender.send(make_response(), flags=flags))
-
-    def close(self, timeout: float = 10.0) -> None:
-        self._queue.put(None)
-        self._thread.join(timeout)
-
-    def _run(self) -> None:
-        while (send := self._queue.get()) is not None:
-            try:
-                send()
-            except Exception:  # a client that went away must not stop the others' responses
-                log.exception("sending a response failed")
 
 
 class WorkerModel:
@@ -137,14 +106,13 @@ class WorkerModel:
                     engine.kv_layout, engine.kv_pool, nixl.agent_name(margs.model_name),
                     self._boards,
                 )
-        self._last_publish = 0.0
         self.outbox = Outbox()
         self.loop = EngineLoop(
             engine,
             on_tokens=self._on_tokens,
             on_finished_early=self._on_finished_early,
             is_cancelled=lambda seq_id: self._pending[seq_id].is_cancelled(),
-            on_step=self._on_step,
+            on_step=self.metrics.publish_throttled,
         )
         engine.after_handoffs = self._flush_releases
         self.metrics.publish(engine.stats())
@@ -233,12 +201,6 @@ class WorkerModel:
             self.outbox.put(pending.sender, partial(
                 engine_response, [], [], "cancelled", pending.num_prompt_tokens, 0
             ), FINAL)
-
-    def _on_step(self, engine: LLMEngine) -> None:
-        now = time.monotonic()
-        if now - self._last_publish >= METRICS_INTERVAL_S or not engine.has_unfinished:
-            self._last_publish = now
-            self.metrics.publish(engine.stats())
 
     def finalize(self) -> None:
         self.loop.stop()

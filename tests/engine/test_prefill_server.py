@@ -3,8 +3,10 @@ Hugging Face greedy output."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import pytest
@@ -159,3 +161,34 @@ def test_first_token_can_finish_the_request(prefill: PrefillServer) -> None:
     assert prefill.engine.blocks.num_used == 0
     [bad] = prefill.prefill([PrefillJob([5, 6], _params(), transport="carrier_pigeon")])
     assert isinstance(bad, ValueError) and "carrier_pigeon" in str(bad)
+
+
+def test_results_come_as_each_prompt_finishes(prefill: PrefillServer) -> None:
+    """Prompts share one continuous batch: the first one's result does not wait for the last."""
+    order: list[int] = []
+    busy_at_first: list[bool] = []
+    finished = threading.Semaphore(0)
+
+    def done(i: int, result: Any) -> None:  # on the loop thread, between steps
+        assert isinstance(result, PrefillResult)
+        if not order:
+            busy_at_first.append(prefill.engine.has_unfinished)
+        order.append(i)
+        finished.release()
+
+    # 3 x 120 tokens with a 256-token step budget: two finish in the first step, one later.
+    for i, prompt in enumerate(prompts(3, seed=14, lo=120, hi=121)):
+        prefill.submit(PrefillJob(prompt, _params()), partial(done, i))
+    for _ in range(3):
+        assert finished.acquire(timeout=60)
+    assert order == [0, 1, 2]
+    assert busy_at_first == [True]  # the third prompt was still computing
+    _wait_released_or_expire(prefill)
+
+
+def _wait_released_or_expire(server: PrefillServer) -> None:
+    """Leases nobody will pull: release them as a scheduler does when its client cancels."""
+    with server._leases_lock:
+        for ticket in list(server.leases._leases):
+            server.board.cancel(ticket)
+    _wait_released(server)
