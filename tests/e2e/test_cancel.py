@@ -67,3 +67,17 @@ def test_sse_disconnect_frees_kv(server: Server) -> None:
     assert server.kv_blocks_used() > 0
     events.close()  # closing the generator drops the HTTP connection
     assert server.wait_idle(timeout=30) == 0
+
+
+@pytest.mark.parametrize("transport", ["nixl", "host_shm"])
+def test_disconnect_on_the_disaggregated_path_frees_kv_in_every_group(
+    server: Server, transport: str
+) -> None:
+    events = server.client.stream("Tell me a long story", max_tokens=LONG, end_id=-1,
+                                  route="disaggregated", kv_transport=transport)
+    for _ in range(3):  # the first token from prefill, then decode's
+        next(events)
+    used = server.metrics()["llm_kv_cache_blocks_used"]
+    assert sum(v for k, v in used.items() if ("model", "decode") in k) > 0
+    events.close()
+    assert server.wait_idle(timeout=30) == 0  # worker, prefill and decode
