@@ -127,3 +127,13 @@ def metric_sum(metrics: dict[str, dict[Labels, float]], name: str, **labels: str
     """Sum of a metric over the series whose labels include `labels`."""
     want = set(labels.items())
     return sum(v for k, v in metrics.get(name, {}).items() if want <= k)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-quantile (0..1) of `values`, linearly interpolated; NaN for no values."""
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    k = (len(s) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)

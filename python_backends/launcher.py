@@ -19,6 +19,7 @@ import sys
 import sysconfig
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -188,6 +189,22 @@ class TritonServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+@contextlib.contextmanager
+def server_for(
+    start: bool, url: str, metrics_url: str, engine_dir: Path, log_file: Path
+) -> Iterator[tuple[str, str]]:
+    """For benchmarks: yields (HTTP URL, metrics URL) of a server started on free ports for the
+    duration when `start`, else of the given running server."""
+    if not start:
+        yield url, metrics_url
+        return
+    opts = ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+                         engine_dir=engine_dir, log_file=log_file)
+    with TritonServer(opts) as server:
+        server.wait_ready(progress=True)
+        yield opts.http_url, opts.metrics_url
 
 
 def _wait_group_gone(pgid: int, timeout_s: float = 10.0) -> None:

@@ -29,13 +29,13 @@ from typing import Any
 import torch
 
 from python_backends.cancel_board import BoardCache, CancelBoard
-from python_backends.client import LLMClient, StreamResult, metric_sum, scrape
+from python_backends.client import LLMClient, StreamResult, metric_sum, percentile, scrape
 from python_backends.config import DEFAULT_ENGINE_DIR
 from python_backends.kv_transfer import nixl
 from python_backends.kv_transfer.base import KVHandle, KVSink
 from python_backends.kv_transfer.host_shm import HostShmSink, HostShmSource, SharedPool
 from python_backends.kv_transfer.layout import KVLayout, allocate_pool
-from python_backends.launcher import ServerOptions, TritonServer, free_port
+from python_backends.launcher import server_for
 
 MIB = 1 << 20
 SIZES_MIB = (1, 4, 16, 64)
@@ -43,15 +43,6 @@ SIZES_MIB = (1, 4, 16, 64)
 # copy successive ranges of a pool 8x the L3 cache, so no copy (memcpy included) reads warm data.
 BENCH_LAYOUT = KVLayout(num_layers=1, num_kv_heads=8, head_dim=128, block_size=128,
                         dtype="float32", num_blocks=256)
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    k = (len(s) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
 # -- 1. transport bandwidth ---------------------------------------------------------------------
@@ -64,7 +55,7 @@ def _owner(conn: Any) -> None:
     pages here ("nixl_shm_pool", the default repository's prefill)."""
     shared = SharedPool.create(BENCH_LAYOUT)
     shared.tensor.copy_(torch.randn(BENCH_LAYOUT.shape))
-    sources: dict[str, Any] = {"host_shm": HostShmSource(shared)}
+    sources: dict[str, Any] = {"host_shm": HostShmSource(shared.name)}
     if nixl.available():
         anon = allocate_pool(BENCH_LAYOUT)
         anon.copy_(shared.tensor)
@@ -269,17 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(args.engine))
-    server = None
-    url, metrics_url = args.url, args.metrics_url
-    if args.start_server:
-        opts = ServerOptions(http_port=free_port(), grpc_port=free_port(),
-                             metrics_port=free_port(), engine_dir=args.engine,
-                             log_file=Path("/tmp/bench-disaggregation-triton.log"))
-        server = TritonServer(opts)
-        server.start()
-        server.wait_ready(progress=True)
-        url, metrics_url = opts.http_url, opts.metrics_url
-    try:
+    log_file = Path("/tmp/bench-disaggregation-triton.log")
+    with server_for(args.start_server, args.url, args.metrics_url, args.engine,
+                    log_file) as (url, metrics_url):
         client = LLMClient(url)
         client.generate("Hello", max_tokens=2, route="disaggregated")  # warm-up both paths
         client.generate("Hello", max_tokens=2, route="aggregated")
@@ -294,9 +277,6 @@ def main(argv: list[str] | None = None) -> int:
         mixed_rows = bench_mixed(client, tokenizer, ["aggregated", "disaggregated", "auto"],
                                  args.mixed_requests, args.short_tokens, args.long_tokens,
                                  args.output_tokens, args.concurrency)
-    finally:
-        if server is not None:
-            server.stop()
     print_transports(transport_rows)
     print("\nHandoff time vs the prefill time it replaces (means)")
     for r in handoff_rows:

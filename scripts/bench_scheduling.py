@@ -17,17 +17,13 @@ import sys
 import time
 from pathlib import Path
 
+from python_backends.client import percentile
 from python_backends.config import DEFAULT_ENGINE_DIR, EngineConfig, EngineLimits
 from python_backends.engine.llm_engine import LLMEngine
 from python_backends.engine.loader import load_model
 from python_backends.engine.sequence import SamplingParams
 from python_backends.engine.waiting_queue import PriorityFairQueue
 from python_backends.models.llama import LlamaForCausalLM
-
-
-def percentile(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * (len(s) - 1) + 0.5))]
 
 
 def make_engine(config: EngineConfig, model: LlamaForCausalLM, limits: EngineLimits,

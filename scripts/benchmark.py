@@ -23,10 +23,10 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer
 
-from python_backends.client import LLMClient, StreamResult
+from python_backends.client import LLMClient, StreamResult, percentile
 from python_backends.config import DEFAULT_ENGINE_DIR, EngineConfig
 from python_backends.engine.builder import load_hf
-from python_backends.launcher import ServerOptions, TritonServer, free_port
+from python_backends.launcher import server_for
 
 WORDS = ("river", "mountain", "lantern", "harbor", "meadow", "engine", "violet", "signal",
          "orchard", "copper", "thunder", "library")
@@ -41,15 +41,6 @@ def make_prompts(tokenizer: Any, n: int, prompt_tokens: int) -> list[str]:
         ids = tokenizer(text, add_special_tokens=False)["input_ids"][:prompt_tokens]
         prompts.append(tokenizer.decode(ids))
     return prompts
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    k = (len(s) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
 @dataclass
@@ -143,17 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     baseline = hf_baseline(args.engine, prompts[: args.hf_requests], args.output_tokens)
     print(f"[bench] HF: {baseline.tokens_per_s:.1f} tok/s", flush=True)
 
-    server = None
-    url = args.url
-    if args.start_server:
-        opts = ServerOptions(http_port=free_port(), grpc_port=free_port(),
-                             metrics_port=free_port(), engine_dir=args.engine,
-                             log_file=Path("/tmp/benchmark-triton.log"))
-        server = TritonServer(opts)
-        server.start()
-        server.wait_ready(progress=True)
-        url = opts.http_url
-    try:
+    with server_for(args.start_server, args.url, "", args.engine,
+                    Path("/tmp/benchmark-triton.log")) as (url, _metrics_url):
         client = LLMClient(url)
         client.stream_collect(prompts[0], max_tokens=4)  # warm-up
         rows = []
@@ -162,9 +144,6 @@ def main(argv: list[str] | None = None) -> int:
                   f"{args.output_tokens} tokens ...", flush=True)
             rows.append(run_level(client, prompts, args.output_tokens, c))
             print(f"[bench]   {rows[-1].tokens_per_s:.1f} tok/s", flush=True)
-    finally:
-        if server is not None:
-            server.stop()
     print_table(rows, baseline)
     if args.json:
         args.json.write_text(json.dumps(

@@ -123,7 +123,8 @@ class LLMEngine:
         allocated and `fetch` fills them; if it cannot, the prompt is recomputed here."""
         seq = Sequence(seq_id, list(prompt_ids), params, priority=priority, tenant=tenant)
         seq.output_ids.append(first_token)
-        seq.output_logprobs.append(first_logprob)
+        if params.return_log_probs:
+            seq.output_logprobs.append(first_logprob)
         if num_kv_tokens > seq.num_prompt_tokens:
             raise ValueError(f"{num_kv_tokens} KV tokens for a {seq.num_prompt_tokens}-token "
                              "prompt")

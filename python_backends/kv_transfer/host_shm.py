@@ -69,11 +69,12 @@ class SharedPool:
 class HostShmSource(KVSource):
     kind = "host_shm"
 
-    def __init__(self, pool: SharedPool) -> None:
-        self.pool = pool
+    def __init__(self, pool_name: str) -> None:
+        """`pool_name`: the SharedPool holding the owner's KV pool."""
+        self.pool_name = pool_name
 
     def location(self) -> dict[str, Any]:
-        return {"shm": self.pool.name}
+        return {"shm": self.pool_name}
 
 
 class HostShmSink(KVSink):

@@ -14,10 +14,8 @@ import triton_python_backend_utils as pb_utils
 
 from python_backends.engine.llm_engine import LLMEngine
 from python_backends.engine.prefill_server import PrefillJob, PrefillResult, PrefillServer
-from python_backends.kv_transfer import nixl
-from python_backends.kv_transfer.base import KVSource
-from python_backends.kv_transfer.cuda_ipc import CudaIpcSource
-from python_backends.kv_transfer.host_shm import HostShmSource, SharedPool
+from python_backends.kv_transfer.factory import TransportUnavailable, make_sources
+from python_backends.kv_transfer.host_shm import SharedPool
 from python_backends.kv_transfer.layout import KVLayout, allocate_pool
 from python_backends.protocol import GenerationRequest
 from python_backends.serving.common import (
@@ -63,20 +61,11 @@ class PrefillModel:
             margs.engine_dir(), num_kv_blocks=margs.int_param("kv_cache_blocks", 512),
             kv_pool=pool,
         )
-        sources: dict[str, KVSource] = {}
-        for kind in transports:
-            if kind == "host_shm":
-                assert self._shared is not None
-                sources[kind] = HostShmSource(self._shared)
-            elif kind == "cuda_ipc":
-                if not engine.kv_pool.is_cuda:
-                    raise pb_utils.TritonModelException(
-                        f"{margs.model_name}: kv_transports cuda_ipc needs a CUDA engine; "
-                        "this engine's KV pool is in host memory"
-                    )
-                sources[kind] = CudaIpcSource(engine.kv_pool)
-            else:
-                sources[kind] = nixl.NixlSource(engine.kv_pool, nixl.agent_name(margs.model_name))
+        try:
+            sources = make_sources(transports, engine.kv_pool, margs.model_name,
+                                   self._shared.name if self._shared else None)
+        except TransportUnavailable as e:
+            raise pb_utils.TritonModelException(f"{margs.model_name}: {e}") from None
         self.metrics = EngineMetrics(margs.model_name, margs.instance_name)
         self.kv_metrics = KVTransferMetrics(margs.model_name, margs.instance_name)
         self.outbox = Outbox()

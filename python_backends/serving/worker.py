@@ -23,10 +23,8 @@ from python_backends.cancel_board import BoardCache, CancelBoard
 from python_backends.engine.engine_loop import EngineLoop
 from python_backends.engine.llm_engine import LLMEngine, TokenEvent
 from python_backends.engine.waiting_queue import PriorityFairQueue
-from python_backends.kv_transfer import nixl
-from python_backends.kv_transfer.base import KVHandle, KVSink, TransferError, abandon
-from python_backends.kv_transfer.cuda_ipc import CudaIpcSink
-from python_backends.kv_transfer.host_shm import HostShmSink
+from python_backends.kv_transfer.base import KVHandle, TransferError, abandon
+from python_backends.kv_transfer.factory import TransportUnavailable, make_sinks
 from python_backends.protocol import GenerationRequest
 from python_backends.serving.common import (
     FINAL,
@@ -45,6 +43,7 @@ from python_backends.serving.common import (
 from python_backends.serving.metrics import EngineMetrics, KVTransferMetrics
 
 log = logging.getLogger(__name__)
+
 
 @dataclass
 class _Pending:
@@ -90,22 +89,11 @@ class WorkerModel:
         self.kv_metrics = KVTransferMetrics(margs.model_name, margs.instance_name)
         self._pending: dict[str, _Pending] = {}
         self._boards = BoardCache()
-        self._sinks: dict[str, KVSink] = {}
-        for kind in kv_transports(margs):
-            if kind == "host_shm":
-                self._sinks[kind] = HostShmSink(engine.kv_layout, engine.kv_pool, self._boards)
-            elif kind == "cuda_ipc":
-                if not engine.kv_pool.is_cuda:
-                    raise pb_utils.TritonModelException(
-                        f"{margs.model_name}: kv_transports cuda_ipc needs a CUDA engine; "
-                        "this engine's KV pool is in host memory"
-                    )
-                self._sinks[kind] = CudaIpcSink(engine.kv_layout, engine.kv_pool, self._boards)
-            else:
-                self._sinks[kind] = nixl.NixlSink(
-                    engine.kv_layout, engine.kv_pool, nixl.agent_name(margs.model_name),
-                    self._boards,
-                )
+        try:
+            self._sinks = make_sinks(kv_transports(margs), engine.kv_layout, engine.kv_pool,
+                                     margs.model_name, self._boards)
+        except TransportUnavailable as e:
+            raise pb_utils.TritonModelException(f"{margs.model_name}: {e}") from None
         self.outbox = Outbox()
         self.loop = EngineLoop(
             engine,

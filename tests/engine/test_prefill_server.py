@@ -33,7 +33,7 @@ def prefill(tiny_llama: TinyModel) -> Iterator[PrefillServer]:
         return shared[0].tensor
 
     engine = tiny_llama.engine(num_kv_blocks=96, kv_pool=pool)
-    sources: dict[str, Any] = {"host_shm": HostShmSource(shared[0])}
+    sources: dict[str, Any] = {"host_shm": HostShmSource(shared[0].name)}
     if "nixl" in TRANSPORTS:
         sources["nixl"] = nixl.NixlSource(engine.kv_pool, nixl.agent_name("prefill"))
     server = PrefillServer(engine, sources, owner="prefill-0", lease_s=20.0)

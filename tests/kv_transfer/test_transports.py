@@ -29,7 +29,7 @@ def _owner(kind: str, conn: Any) -> None:
     if kind == "host_shm":
         shared = SharedPool.create(LAYOUT)
         pool = shared.tensor
-        source: Any = HostShmSource(shared)
+        source: Any = HostShmSource(shared.name)
     else:
         pool = allocate_pool(LAYOUT)
         source = nixl.NixlSource(pool, nixl.agent_name("test-owner"))
