@@ -177,8 +177,12 @@ def test_results_come_as_each_prompt_finishes(prefill: PrefillServer) -> None:
         finished.release()
 
     # 3 x 120 tokens with a 256-token step budget: two finish in the first step, one later.
+    # Hold the loop until all three are queued, so they share the first step.
+    go = threading.Event()
+    prefill.loop.call(lambda _engine: go.wait(10))
     for i, prompt in enumerate(prompts(3, seed=14, lo=120, hi=121)):
         prefill.submit(PrefillJob(prompt, _params()), partial(done, i))
+    go.set()
     for _ in range(3):
         assert finished.acquire(timeout=60)
     assert order == [0, 1, 2]
