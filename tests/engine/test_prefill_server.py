@@ -179,7 +179,10 @@ def test_results_come_as_each_prompt_finishes(prefill: PrefillServer) -> None:
     # 3 x 120 tokens with a 256-token step budget: two finish in the first step, one later.
     # Hold the loop until all three are queued, so they share the first step.
     go = threading.Event()
-    prefill.loop.call(lambda _engine: go.wait(10))
+    def hold(_engine: LLMEngine) -> None:
+        go.wait(10)
+
+    prefill.loop.call(hold)
     for i, prompt in enumerate(prompts(3, seed=14, lo=120, hi=121)):
         prefill.submit(PrefillJob(prompt, _params()), partial(done, i))
     go.set()
