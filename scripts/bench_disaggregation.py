@@ -184,7 +184,8 @@ def bench_handoff(client: LLMClient, metrics_url: str, tokenizer: Any, transport
         time.sleep(0.5)
         after = scrape(metrics_url)
         handoff = _hist_mean(before, after, "llm_kv_transfer_duration_seconds", transport=kind)
-        prefill = _hist_mean(before, after, "llm_prefill_time_seconds")
+        prefill = _hist_mean(before, after, "llm_request_prefill_time_seconds",
+                             model="prefill")
         nbytes = (metric_sum(after, "llm_kv_transfer_bytes_total", transport=kind)
                   - metric_sum(before, "llm_kv_transfer_bytes_total", transport=kind)) / n
         rows.append({"transport": kind, "prompt_tokens": round(statistics.mean(lengths)),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,6 +48,8 @@ class TokenEvent:
     num_prompt_tokens: int
     num_output_tokens: int
     queue_time: float | None = None  # with a sequence's first token: seconds it waited
+    prefill_time: float | None = None  # with its first token: first scheduled step to token
+    decode_time: float | None = None  # with its last token: first token to last
     # A prefill-only sequence done with its prompt: the KV blocks it hands over (the receiver
     # owns them now and releases them with `LLMEngine.blocks.release`), holding `kv_tokens`.
     kv_blocks: tuple[int, ...] | None = None
@@ -123,6 +126,7 @@ class LLMEngine:
         allocated and `fetch` fills them; if it cannot, the prompt is recomputed here."""
         seq = Sequence(seq_id, list(prompt_ids), params, priority=priority, tenant=tenant)
         seq.output_ids.append(first_token)
+        seq.first_token_time = time.monotonic()  # decode time counts from the handoff
         if params.return_log_probs:
             seq.output_logprobs.append(first_logprob)
         if num_kv_tokens > seq.num_prompt_tokens:
@@ -185,6 +189,11 @@ class LLMEngine:
     @staticmethod
     def _event(s: Sequence) -> TokenEvent:
         handed_over = s.prefill_only and s.is_finished and s.finish_reason is None
+        prefill_time = decode_time = None
+        if s.num_output_tokens == 1 and s.first_token_time and s.queue_time is not None:
+            prefill_time = s.first_token_time - s.arrival_time - s.queue_time
+        if s.finish_reason is not None and s.first_token_time is not None:
+            decode_time = time.monotonic() - s.first_token_time
         event = TokenEvent(
             seq_id=s.seq_id,
             token_id=s.output_ids[-1],
@@ -193,6 +202,8 @@ class LLMEngine:
             num_prompt_tokens=s.num_prompt_tokens,
             num_output_tokens=s.num_output_tokens,
             queue_time=s.queue_time if s.num_output_tokens == 1 else None,
+            prefill_time=prefill_time,
+            decode_time=decode_time,
             kv_blocks=tuple(s.block_table) if handed_over else None,
             kv_tokens=s.num_computed_tokens if handed_over else 0,
         )

@@ -46,6 +46,7 @@ class PrefillResult:
     finish_reason: FinishReason | None  # set when the first token already ends the sequence
     handle: KVHandle | None  # the leased KV when the sequence goes on
     seconds: float  # submission to first token
+    event: TokenEvent | None = None  # the engine's event (latencies), when it ran
 
 
 Done = Callable[[PrefillResult | Exception], None]
@@ -124,7 +125,7 @@ class PrefillServer:
             logprob = ev.logprob or 0.0
             handle = self._lease(ev, pending.job) if ev.kv_blocks is not None else None
             pending.done(PrefillResult(ev.token_id, logprob, ev.finish_reason, handle,
-                                       now - pending.start))
+                                       now - pending.start, ev))
 
     def _lease(self, ev: TokenEvent, job: PrefillJob) -> KVHandle:
         assert ev.kv_blocks is not None

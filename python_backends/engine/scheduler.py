@@ -180,6 +180,8 @@ class Scheduler:
             if not samples:
                 continue
             seq.output_ids.append(result.token_ids[i])
+            if seq.first_token_time is None:
+                seq.first_token_time = time.monotonic()
             if result.logprobs is not None:
                 seq.output_logprobs.append(result.logprobs[i])
             i += 1

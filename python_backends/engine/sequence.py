@@ -69,6 +69,7 @@ class Sequence:
     arrival: int = 0  # admission order, set by the scheduler
     arrival_time: float = field(default_factory=time.monotonic)
     queue_time: float | None = None  # arrival to first scheduled step, set by the scheduler
+    first_token_time: float | None = None  # first token drawn here (or handed-off arrival)
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     num_computed_tokens: int = 0

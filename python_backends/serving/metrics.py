@@ -11,7 +11,12 @@ from typing import Any
 
 import triton_python_backend_utils as pb_utils
 
-from python_backends.engine.llm_engine import EngineStats, LLMEngine
+from python_backends.engine.llm_engine import EngineStats, LLMEngine, TokenEvent
+from python_backends.scheduler.admission import DEFAULT_TENANT
+from python_backends.scheduler.stream import RequestStream
+
+FINISH_REASONS = ("stop", "length")
+ROUTES = ("aggregated", "disaggregated", "disaggregated_fallback")
 
 PUBLISH_INTERVAL_S = 0.05
 LATENCY_BUCKETS = [
@@ -54,10 +59,36 @@ class EngineMetrics:
             "llm_request_queue_time_seconds", "Time a sequence waited before its first step",
             pb_utils.MetricFamily.HISTOGRAM, labels, LATENCY_BUCKETS,
         )
+        self.prefill_time = _metric(
+            "llm_request_prefill_time_seconds",
+            "A sequence's first scheduled step to its first token on this instance",
+            pb_utils.MetricFamily.HISTOGRAM, labels, LATENCY_BUCKETS,
+        )
+        self.decode_time = _metric(
+            "llm_request_decode_time_seconds",
+            "A sequence's first token (or arrival, when handed off) to its last on this instance",
+            pb_utils.MetricFamily.HISTOGRAM, labels, LATENCY_BUCKETS,
+        )
+        # Prefix caching is not built yet: the counters exist (at 0) so dashboards and the
+        # autoscaler need no change when it is.
+        for name, doc in (("llm_prefix_cache_queries_total", "Prompt tokens looked up in the "
+                           "prefix cache"),
+                          ("llm_prefix_cache_hits_total", "Prompt tokens found in the prefix "
+                           "cache")):
+            _metric(name, doc, pb_utils.MetricFamily.COUNTER, labels)
         self._labels = labels
         self._publish_lock = threading.Lock()
         self._last_publish = 0.0
         self._priorities_seen: dict[str, set[int]] = {"running": set(), "waiting": set()}
+
+    def observe(self, ev: TokenEvent) -> None:
+        """A token event's latencies (loop thread)."""
+        if ev.queue_time is not None:
+            self.queue_time.observe(ev.queue_time)
+        if ev.prefill_time is not None:
+            self.prefill_time.observe(ev.prefill_time)
+        if ev.decode_time is not None:
+            self.decode_time.observe(ev.decode_time)
 
     def publish_throttled(self, engine: LLMEngine) -> None:
         """After an engine step (loop thread): publish at most every PUBLISH_INTERVAL_S, and
@@ -103,35 +134,52 @@ TRANSFER_BUCKETS = [
 
 class KVTransferMetrics:
     """KV handoff: pulls on the decode side (bytes, latency, failures, recomputes) and leases
-    on the prefill side."""
+    on the prefill side. The series of the given transports exist from the start, at 0."""
 
-    def __init__(self, model: str, instance: str) -> None:
+    FAILURE_REASONS = ("error", "timeout", "expired", "layout", "unsupported")
+
+    def __init__(self, model: str, instance: str, transports: list[str] | None = None) -> None:
         self._labels = {"model": model, "instance": instance}
-        self.prefill_time = _metric(
-            "llm_prefill_time_seconds", "Time a prefill instance spent on a request's batch",
-            pb_utils.MetricFamily.HISTOGRAM, self._labels, LATENCY_BUCKETS,
-        )
         self.expired_leases = _metric(
             "llm_kv_lease_expired_total",
             "Leased KV blocks freed at their deadline because no decoder released them",
             pb_utils.MetricFamily.COUNTER, self._labels,
         )
+        for transport in transports or []:
+            self._bytes(transport)
+            self._duration(transport)
+            self._fallbacks(transport)
+            for reason in self.FAILURE_REASONS:
+                self._failures(transport, reason)
+
+    def _bytes(self, transport: str) -> Metric:
+        return _metric("llm_kv_transfer_bytes_total", "KV-cache bytes pulled from prefill "
+                       "instances", pb_utils.MetricFamily.COUNTER,
+                       {**self._labels, "transport": transport})
+
+    def _duration(self, transport: str) -> Metric:
+        return _metric("llm_kv_transfer_duration_seconds", "Time to pull one request's KV cache",
+                       pb_utils.MetricFamily.HISTOGRAM, {**self._labels, "transport": transport},
+                       TRANSFER_BUCKETS)
+
+    def _failures(self, transport: str, reason: str) -> Metric:
+        return _metric("llm_kv_transfer_failures_total", "KV pulls that failed, by reason",
+                       pb_utils.MetricFamily.COUNTER,
+                       {**self._labels, "transport": transport, "reason": reason})
+
+    def _fallbacks(self, transport: str) -> Metric:
+        return _metric("llm_kv_transfer_fallbacks_total",
+                       "Handed-off requests whose prompt the decode instance recomputed",
+                       pb_utils.MetricFamily.COUNTER, {**self._labels, "transport": transport})
 
     def transferred(self, transport: str, nbytes: int, seconds: float) -> None:
-        labels = {**self._labels, "transport": transport}
-        _metric("llm_kv_transfer_bytes_total", "KV-cache bytes pulled from prefill instances",
-                pb_utils.MetricFamily.COUNTER, labels).increment(nbytes)
-        _metric("llm_kv_transfer_duration_seconds", "Time to pull one request's KV cache",
-                pb_utils.MetricFamily.HISTOGRAM, labels, TRANSFER_BUCKETS).observe(seconds)
+        self._bytes(transport).increment(nbytes)
+        self._duration(transport).observe(seconds)
 
     def failed(self, transport: str, reason: str) -> None:
         """A handoff that could not be used; the decode instance recomputes the prompt."""
-        labels = {**self._labels, "transport": transport}
-        _metric("llm_kv_transfer_failures_total", "KV pulls that failed, by reason",
-                pb_utils.MetricFamily.COUNTER, {**labels, "reason": reason}).increment(1)
-        _metric("llm_kv_transfer_fallbacks_total",
-                "Handed-off requests whose prompt the decode instance recomputed",
-                pb_utils.MetricFamily.COUNTER, labels).increment(1)
+        self._failures(transport, reason).increment(1)
+        self._fallbacks(transport).increment(1)
 
 
 class RequestMetrics:
@@ -149,26 +197,65 @@ class RequestMetrics:
             "Mean time per output token after the first, per request", h, labels,
             LATENCY_BUCKETS,
         )
+        self.e2e = _metric(
+            "llm_e2e_request_latency_seconds", "Arrival at the scheduler to the last token", h,
+            labels, LATENCY_BUCKETS,
+        )
+        c = pb_utils.MetricFamily.COUNTER
+        self.prompt_tokens = _metric(
+            "llm_prompt_tokens_total", "Prompt tokens of finished requests", c, labels
+        )
+        self.generation_tokens = _metric(
+            "llm_generation_tokens_total", "Tokens generated for finished requests", c, labels
+        )
         self._labels = labels
+        for reason in FINISH_REASONS:  # series exist from the start, at 0
+            self._finished(reason)
+        for route in ROUTES:
+            self._routed(route)
+
+    def finished(self, state: RequestStream) -> None:
+        """A request that ended with a finish reason (stop, length)."""
+        if state.ttft is not None:
+            self.ttft.observe(state.ttft)
+        if state.tpot is not None:
+            self.tpot.observe(state.tpot)
+        if state.last_token_time is not None:
+            self.e2e.observe(state.last_token_time - state.arrival)
+        self.prompt_tokens.increment(len(state.prompt_ids))
+        self.generation_tokens.increment(len(state.output_ids))
+        self._finished(state.finish_reason).increment(1)
+
+    def _finished(self, reason: str) -> Metric:
+        return _metric("llm_requests_finished_total", "Finished requests, by finish reason",
+                       pb_utils.MetricFamily.COUNTER, {**self._labels, "finish_reason": reason})
+
+    def _routed(self, route: str) -> Metric:
+        return _metric("llm_requests_routed_total", "Requests by serving path (aggregated, "
+                       "disaggregated, or disaggregated falling back after a prefill error)",
+                       pb_utils.MetricFamily.COUNTER, {**self._labels, "route": route})
 
     def routed(self, route: str) -> None:
-        _metric("llm_requests_routed_total", "Requests by serving path (aggregated, "
-                "disaggregated, or disaggregated falling back after a prefill error)",
-                pb_utils.MetricFamily.COUNTER, {**self._labels, "route": route}).increment(1)
+        self._routed(route).increment(1)
 
 
 class AdmissionMetrics:
     """Requests refused at the front door, by reason and tenant."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, reasons: tuple[str, ...] = ()) -> None:
         self.model = model
+        for reason in reasons:  # the default tenant's series exist from the start, at 0
+            self._rejected(reason, DEFAULT_TENANT)
 
-    def rejected(self, reason: str, tenant: str) -> None:
-        _metric(
+    def _rejected(self, reason: str, tenant: str) -> Metric:
+        return _metric(
             "llm_requests_rejected_total", "Requests refused by admission control",
             pb_utils.MetricFamily.COUNTER,
             {"model": self.model, "reason": reason, "tenant": tenant},
-        ).increment(1)
+        )
+
+    def rejected(self, reason: str, tenant: str) -> None:
+        self._rejected(reason, tenant).increment(1)
 
 
 _families: dict[str, Any] = {}

@@ -100,7 +100,8 @@ class PrefillModel:
         if isinstance(result, Exception):
             self.outbox.put(sender, partial(error_response, f"prefill: {result}"), FINAL)
             return
-        self.kv_metrics.prefill_time.observe(result.seconds)
+        if result.event is not None:
+            self.metrics.observe(result.event)
         self.outbox.put(sender, partial(prefill_response, result), FINAL)
 
     def finalize(self) -> None:

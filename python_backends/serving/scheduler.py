@@ -25,6 +25,7 @@ from python_backends.scheduler.admission import (
     AdmissionLimits,
     RateLimiter,
     Rejected,
+    RejectReason,
     parse_rate_limits,
 )
 from python_backends.scheduler.routing import Route, Router, RoutingPolicy
@@ -116,7 +117,9 @@ class SchedulerModel:
         self._boards = BoardCache()  # prefill instances' release boards
         self.board = CancelBoard.create()
         self.metrics = RequestMetrics(margs.model_name)
-        self.admission_metrics = AdmissionMetrics(margs.model_name)
+        self.admission_metrics = AdmissionMetrics(
+            margs.model_name, tuple(r.value for r in RejectReason)
+        )
         self.admission = AdmissionControl(AdmissionLimits(
             max_waiting_requests=margs.int_param("max_waiting_requests", 256),
             max_waiting_tokens=margs.int_param("max_waiting_tokens", 65536),
@@ -176,10 +179,7 @@ class SchedulerModel:
         if call.cancelled or not state.finish_reason:
             sender.send(flags=FINAL)  # the client went away or the engine ended without a chunk
             return
-        if state.ttft is not None:
-            self.metrics.ttft.observe(state.ttft)
-        if state.tpot is not None:
-            self.metrics.tpot.observe(state.tpot)
+        self.metrics.finished(state)
 
     def _route(self, req: GenerationRequest, request_json: bytes, state: RequestStream,
                call: _Call) -> None:

@@ -86,11 +86,13 @@ class WorkerModel:
             waiting=PriorityFairQueue(weights),
         )
         self.metrics = EngineMetrics(margs.model_name, margs.instance_name)
-        self.kv_metrics = KVTransferMetrics(margs.model_name, margs.instance_name)
+
         self._pending: dict[str, _Pending] = {}
         self._boards = BoardCache()
+        transports = kv_transports(margs)
+        self.kv_metrics = KVTransferMetrics(margs.model_name, margs.instance_name, transports)
         try:
-            self._sinks = make_sinks(kv_transports(margs), engine.kv_layout, engine.kv_pool,
+            self._sinks = make_sinks(transports, engine.kv_layout, engine.kv_pool,
                                      margs.model_name, self._boards)
         except TransportUnavailable as e:
             raise pb_utils.TritonModelException(f"{margs.model_name}: {e}") from None
@@ -166,8 +168,7 @@ class WorkerModel:
 
     def _on_tokens(self, events: list[TokenEvent]) -> None:
         for ev in events:
-            if ev.queue_time is not None:
-                self.metrics.queue_time.observe(ev.queue_time)
+            self.metrics.observe(ev)
             if ev.finish_reason is None:
                 sender, flags = self._pending[ev.seq_id].sender, 0
             else:

@@ -27,10 +27,37 @@ def test_metrics_present_and_moving(server: Server) -> None:
     tpot = "llm_time_per_output_token_seconds"
     assert metric_sum(after, f"{ttft}_count") == metric_sum(before, f"{ttft}_count") + 1
     assert metric_sum(after, f"{tpot}_count") == metric_sum(before, f"{tpot}_count") + 1
-    queue = "llm_request_queue_time_seconds_count"
-    assert metric_sum(after, queue) == metric_sum(before, queue) + 1
+    def delta(name: str, **labels: str) -> float:
+        return metric_sum(after, name, **labels) - metric_sum(before, name, **labels)
+
+    for name in ("llm_request_queue_time_seconds_count", "llm_request_prefill_time_seconds_count",
+                 "llm_request_decode_time_seconds_count"):
+        assert delta(name, model="worker") == 1, name
+    assert delta("llm_e2e_request_latency_seconds_count") == 1
+    assert delta("llm_prompt_tokens_total") == result.num_input_tokens > 0
+    assert delta("llm_generation_tokens_total") == 12
+    assert delta("llm_requests_finished_total", finish_reason="length") == 1
+    assert delta("llm_prompt_tokens_computed_total", model="worker") == result.num_input_tokens
+    for name in ("llm_prefix_cache_queries_total", "llm_prefix_cache_hits_total"):
+        assert {dict(k)["model"] for k in after[name]} == {"worker", "prefill", "decode"}
+    e2e = delta("llm_e2e_request_latency_seconds_sum")
+    assert 0 < e2e <= result.token_times[-1] - result.start + 0.05  # within the client's
     by_priority = after["llm_num_requests_running_by_priority"]
     assert {dict(k)["priority"] for k in by_priority} >= {"0"}
     observed = metric_sum(after, f"{ttft}_sum") - metric_sum(before, f"{ttft}_sum")
     assert 0 < observed <= result.ttft + 0.05  # server-side TTFT within the client's
     assert any(k for k in after[f"{ttft}_bucket"] if ("le", "0.5") in k)
+
+
+def test_dashboard_queries_only_metrics_the_server_exports(server: Server) -> None:
+    import json
+
+    from tests.deploy.test_dashboard import DASHBOARD, HISTOGRAM_SUFFIXES, dashboard_metrics
+
+    exported = set()
+    for name in server.metrics():
+        for suffix in HISTOGRAM_SUFFIXES:
+            name = name.removesuffix(suffix)
+        exported.add(name)
+    used = dashboard_metrics(json.loads(DASHBOARD.read_text()))
+    assert used <= exported, used - exported
