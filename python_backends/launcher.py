@@ -86,6 +86,9 @@ class ServerOptions:
     log_file: Path | None = None  # None: inherit stdout/stderr
     exit_timeout_s: int = 15
     api_key: str | None = None  # when set, clients must send it in the x-api-key header
+    # "explicit": the model-repository API may load, unload and resize models while serving
+    # (the autoscaler resizes instance groups); every model is loaded at start either way.
+    model_control: str = "none"
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
     @property
@@ -122,6 +125,8 @@ class TritonServer:
             "--http-header-forward-pattern=^x-tenant$",
             "--grpc-header-forward-pattern=^x-tenant$",
             *self._auth_args(),
+            *(["--model-control-mode=explicit", "--load-model=*"]
+              if o.model_control == "explicit" else []),
             *o.extra_args,
         ]
 
@@ -270,12 +275,15 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"require this key in the {API_KEY_HEADER} header (HTTP and gRPC) for "
                          "inference and control APIs; health stays open")
     ap.add_argument("--model-repository", type=Path, default=PROJECT_ROOT / "model_repository")
+    ap.add_argument("--model-control", choices=("none", "explicit"),
+                    default=os.environ.get("LLM_MODEL_CONTROL", "none"),
+                    help="explicit: allow resizing models while serving (the autoscaler)")
     ap.add_argument("extra", nargs="*", help="extra tritonserver arguments (after --)")
     args = ap.parse_args(argv)
     opts = ServerOptions(
         model_repository=args.model_repository, host=args.host, http_port=args.http_port,
         grpc_port=args.grpc_port, metrics_port=args.metrics_port, engine_dir=args.engine,
-        api_key=args.api_key, extra_args=tuple(args.extra),
+        api_key=args.api_key, model_control=args.model_control, extra_args=tuple(args.extra),
     )
     server = TritonServer(opts)
     stopping = False

@@ -15,7 +15,7 @@ from python_backends.engine.block_manager import BlockManager
 from python_backends.engine.loader import load_model
 from python_backends.engine.model_runner import ModelRunner
 from python_backends.engine.sampler import SampleResult, sample
-from python_backends.engine.scheduler import Scheduler
+from python_backends.engine.scheduler import Scheduler, SchedulerOutput
 from python_backends.engine.sequence import (
     FinishReason,
     SamplingParams,
@@ -64,6 +64,7 @@ class EngineStats:
     num_waiting: int
     num_preemptions: int  # since start
     num_prompt_tokens_computed: int  # since start: prompt positions this engine computed
+    busy_seconds: float  # since start: time spent in steps that computed something
     running_by_priority: dict[int, int]
     waiting_by_priority: dict[int, int]
 
@@ -86,6 +87,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.limits, self.blocks, enable_chunked_prefill, waiting)
         self.runner = ModelRunner(model, kv_pool, config.limits.block_size)
         self._handoffs: deque[_Handoff] = deque()
+        self.busy_seconds = 0.0
         # Called after a step's handoffs were pulled (a KV sink sends their releases).
         self.after_handoffs: Callable[[], None] = lambda: None
 
@@ -177,10 +179,17 @@ class LLMEngine:
 
     def step(self) -> list[TokenEvent]:
         """schedule -> run -> sample -> update; returns one event per sampled sequence."""
+        start = time.perf_counter()
         self._admit_handoffs()
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
+        try:
+            return self._run(out)
+        finally:
+            self.busy_seconds += time.perf_counter() - start
+
+    def _run(self, out: SchedulerOutput) -> list[TokenEvent]:
         logits, sampling = self.runner.run(out)
         result = sample(sampling, logits) if sampling else SampleResult([], None)
         seqs = self.scheduler.update(out, result)
@@ -219,6 +228,7 @@ class LLMEngine:
             num_waiting=len(self.scheduler.waiting) + len(self._handoffs),
             num_preemptions=self.scheduler.num_preemptions,
             num_prompt_tokens_computed=self.scheduler.num_prompt_tokens_computed,
+            busy_seconds=self.busy_seconds,
             running_by_priority=dict(Counter(s.priority for s in self.scheduler.running)),
             waiting_by_priority=dict(Counter(s.priority for s in self.scheduler.waiting)),
         )

@@ -50,6 +50,12 @@ class EngineMetrics:
             pb_utils.MetricFamily.COUNTER, labels,
         )
         self._prompt_tokens_published = 0
+        self.busy = _metric(
+            "llm_engine_busy_seconds_total",
+            "Time the engine spent computing steps (1 - its rate is the idle fraction)",
+            pb_utils.MetricFamily.COUNTER, labels,
+        )
+        self._busy_published = 0.0
         self.preemptions = _metric(
             "llm_num_preemptions_total", "Sequences preempted (recomputed later)",
             pb_utils.MetricFamily.COUNTER, labels,
@@ -117,6 +123,9 @@ class EngineMetrics:
                     f"llm_num_requests_{state}_by_priority", f"Sequences {state}, per priority",
                     pb_utils.MetricFamily.GAUGE, {**self._labels, "priority": str(priority)},
                 ).set(counts.get(priority, 0))
+        if stats.busy_seconds > self._busy_published:
+            self.busy.increment(stats.busy_seconds - self._busy_published)
+            self._busy_published = stats.busy_seconds
         if stats.num_prompt_tokens_computed > self._prompt_tokens_published:
             self.prompt_tokens_computed.increment(
                 stats.num_prompt_tokens_computed - self._prompt_tokens_published

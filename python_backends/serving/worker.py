@@ -96,6 +96,7 @@ class WorkerModel:
                                      margs.model_name, self._boards)
         except TransportUnavailable as e:
             raise pb_utils.TritonModelException(f"{margs.model_name}: {e}") from None
+        self.drain_timeout_s = float(margs.param("drain_timeout_seconds", "60"))
         self.outbox = Outbox()
         self.loop = EngineLoop(
             engine,
@@ -192,6 +193,15 @@ class WorkerModel:
             ), FINAL)
 
     def finalize(self) -> None:
+        # Let sequences in flight finish first: an instance is finalized when the server stops
+        # and when a resize removes it (the autoscaler), and Triton 2.51 does not wait for a
+        # decoupled instance's open requests (it crashed finalizing one mid-stream).
+        deadline = time.monotonic() + self.drain_timeout_s
+        while self._pending and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self._pending:
+            log.warning("%d sequences still running after %.0f s; failing them",
+                        len(self._pending), self.drain_timeout_s)
         self.loop.stop()
         for seq_id in list(self._pending):
             self._on_finished_early(seq_id, ShuttingDown("server shutting down"))

@@ -17,6 +17,7 @@ PROMETHEUS = PROJECT_ROOT / "deploy" / "prometheus" / "prometheus.yml"
 METRICS_DOC = PROJECT_ROOT / "docs" / "metrics.md"
 PANEL_TYPES = {"timeseries", "stat", "gauge", "bargauge", "table", "heatmap", "text"}
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
+AUTOSCALER_PREFIX = "llm_autoscaler_"  # exported by scripts/autoscaler.py, not by Triton
 
 
 def dashboard_metrics(dashboard: dict[str, Any]) -> set[str]:
@@ -81,11 +82,25 @@ def test_dashboard_uses_only_documented_metrics() -> None:
     assert used <= documented, used - documented
 
 
-def test_prometheus_config_scrapes_triton_metrics() -> None:
+def test_prometheus_config_scrapes_triton_and_the_autoscaler() -> None:
     cfg = yaml.safe_load(PROMETHEUS.read_text())
-    [job] = cfg["scrape_configs"]
-    assert job["metrics_path"] == "/metrics"
-    assert job["static_configs"][0]["targets"] == ["127.0.0.1:8002"]
+    jobs = {job["job_name"]: job for job in cfg["scrape_configs"]}
+    assert jobs["triton-llm"]["static_configs"][0]["targets"] == ["127.0.0.1:8002"]
+    assert jobs["llm-autoscaler"]["static_configs"][0]["targets"] == ["127.0.0.1:9402"]
+    assert all(job["metrics_path"] == "/metrics" for job in jobs.values())
+
+
+def test_autoscaler_panels_use_what_the_autoscaler_exports() -> None:
+    from python_backends.autoscaler import Autoscaler, Controller, Decision, Policy
+
+    controller = Controller(Autoscaler(Policy()), None, "", dry_run=True)  # type: ignore[arg-type]
+    controller.counts = {"prefill": 2}
+    controller.decisions[("prefill", "up")] = 1
+    exported = set(re.findall(r"^(llm_[a-z0-9_]+)", controller.exposition(), re.M))
+    used = {m for m in dashboard_metrics(json.loads(DASHBOARD.read_text()))
+            if m.startswith(AUTOSCALER_PREFIX)}
+    assert used and used <= exported
+    assert Decision("prefill", 1, 2, "x").direction == "up"
 
 
 def test_validator_rejects_broken_dashboards() -> None:

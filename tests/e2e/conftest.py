@@ -62,6 +62,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
         engine_dir=ENGINE_DIR, log_file=log_file,
         exit_timeout_s=5,  # idle keep-alive connections hold shutdown for the whole timeout
+        model_control="explicit",  # the autoscaler test resizes instance groups
     )
     triton = TritonServer(opts)
     triton.start()
