@@ -104,6 +104,21 @@ class EngineMetrics:
             self._last_publish = now
             self.publish(engine.stats())
 
+    def retire(self) -> None:
+        """The instance is going away (shutdown or a resize): zero its gauges. Triton 2.51 keeps
+        a finalized stub's series on the metrics port, so they must not show a stale load."""
+        with self._publish_lock:
+            for gauge in (self.blocks_used, self.blocks_total, self.usage, self.running,
+                          self.waiting):
+                gauge.set(0)
+            for state, seen in self._priorities_seen.items():
+                for priority in seen:
+                    _metric(
+                        f"llm_num_requests_{state}_by_priority",
+                        f"Sequences {state}, per priority", pb_utils.MetricFamily.GAUGE,
+                        {**self._labels, "priority": str(priority)},
+                    ).set(0)
+
     def publish(self, stats: EngineStats) -> None:
         with self._publish_lock:  # callers on several threads (prefill: requests, reaper)
             self._publish(stats)

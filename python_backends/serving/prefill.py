@@ -107,5 +107,6 @@ class PrefillModel:
     def finalize(self) -> None:
         self.server.close()
         self.outbox.close()
+        self.metrics.retire()
         if self._shared is not None:
             self._shared.close()

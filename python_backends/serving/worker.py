@@ -206,6 +206,7 @@ class WorkerModel:
         for seq_id in list(self._pending):
             self._on_finished_early(seq_id, ShuttingDown("server shutting down"))
         self.outbox.close()
+        self.metrics.retire()
         for sink in self._sinks.values():
             sink.close()
         self._boards.close()

@@ -102,7 +102,7 @@ def test_autoscaler_resizes_prefill_with_requests_in_flight(
         assert busy.wrong == [] and light.wrong == []
         text = controller.exposition()
         assert 'llm_autoscaler_decisions_total{group="prefill",direction="up"}' in text
-        assert server.wait_idle(timeout=60) == 0
+        assert server.wait_idle(timeout=60) == 0  # the removed instance's gauges read 0 too
     finally:
         if repo.instance_count("prefill") != 1:
             repo.set_instance_count("prefill", 1)

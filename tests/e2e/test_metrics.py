@@ -16,9 +16,12 @@ def test_metrics_present_and_moving(server: Server) -> None:
                  "llm_kv_cache_usage_ratio", "llm_num_requests_running",
                  "llm_num_requests_waiting", "llm_num_preemptions_total"):
         labels = {dict(k)["instance"] for k in before[name]}
-        assert labels == {"worker_0_0", "prefill_0_0", "decode_0_0"}, name  # every group
-    assert metric_sum(before, "llm_kv_cache_blocks_total", model="worker") == 1024
-    assert metric_sum(before, "llm_kv_cache_blocks_total", model="prefill") == 512
+        # Every group; an instance removed by a resize (tests/e2e/test_autoscaler.py) keeps
+        # its series in Triton 2.51, zeroed (EngineMetrics.retire).
+        assert labels >= {"worker_0_0", "prefill_0_0", "decode_0_0"}, name
+        assert {dict(k)["model"] for k in before[name]} == {"worker", "prefill", "decode"}
+    assert metric_sum(before, "llm_kv_cache_blocks_total", instance="worker_0_0") == 1024
+    assert metric_sum(before, "llm_kv_cache_blocks_total", instance="prefill_0_0") == 512
     result = server.client.stream_collect("Count to ten:", max_tokens=12, end_id=-1,
                                           route="aggregated")
     assert len(result.output_ids) == 12
@@ -67,3 +70,4 @@ def test_dashboard_queries_only_metrics_the_server_exports(server: Server) -> No
     used = {m for m in dashboard_metrics(json.loads(DASHBOARD.read_text()))
             if not m.startswith(AUTOSCALER_PREFIX)}
     assert used <= exported, used - exported
+
