@@ -3,6 +3,9 @@
 The owner registers its whole pool with its agent once at start-up and puts the agent's metadata
 and the pool's base address in every handle; the puller, whose pool is registered with its own
 agent, READs the blocks' byte ranges (pull) and then notifies the owner, which frees them.
+Notifications are batched per owner and sent by `flush` (the decode engine calls it after a
+step's pulls): a transfer posted right behind a notification to the same peer waited ~0.75 ms
+for it here.
 
 Agents run without NIXL's progress thread (on a small CPU it spins a core and collapsed
 throughput; see PLATFORM.md), so each side progresses its agent itself: the puller by polling
