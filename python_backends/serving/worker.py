@@ -86,7 +86,6 @@ class WorkerModel:
             waiting=PriorityFairQueue(weights),
         )
         self.metrics = EngineMetrics(margs.model_name, margs.instance_name)
-
         self._pending: dict[str, _Pending] = {}
         self._boards = BoardCache()
         transports = kv_transports(margs)
@@ -119,18 +118,21 @@ class WorkerModel:
                 ticket = 0
                 if "CANCEL_BOARD" in inputs:
                     board, ticket = cancel_target(inputs, self._boards)
+                handle_json = first_bytes(inputs, "KV_HANDLE") if "KV_HANDLE" in inputs else b""
+                handoff = None
+                if handle_json:
+                    handoff = (KVHandle.from_json(handle_json), int(first(inputs, "FIRST_TOKEN")),
+                               float(first(inputs, "FIRST_LOG_PROB")))
             except Exception as e:  # malformed internal request: answer it, keep serving
                 sender.send(error_response(f"worker: bad request: {e}"), flags=FINAL)
                 continue
             seq_id = uuid.uuid4().hex
             self._pending[seq_id] = _Pending(sender, len(req.prompt_ids), board, ticket)
-            handle_json = first_bytes(inputs, "KV_HANDLE") if "KV_HANDLE" in inputs else b""
-            if handle_json:
-                handle = KVHandle.from_json(handle_json)
+            if handoff is not None:
+                handle, first_token, first_logprob = handoff
                 self.loop.submit_handoff(
-                    seq_id, req.prompt_ids, req.params, int(first(inputs, "FIRST_TOKEN")),
-                    float(first(inputs, "FIRST_LOG_PROB")), handle.num_tokens,
-                    partial(self._fetch, handle), req.priority, req.tenant,
+                    seq_id, req.prompt_ids, req.params, first_token, first_logprob,
+                    handle.num_tokens, partial(self._fetch, handle), req.priority, req.tenant,
                 )
             else:
                 self.loop.submit(seq_id, req.prompt_ids, req.params, req.priority, req.tenant)
