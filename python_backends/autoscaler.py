@@ -22,7 +22,7 @@ from typing import Any
 
 import requests
 
-from python_backends.client import Labels
+from python_backends.client import Labels, metric_delta, metric_sum
 
 log = logging.getLogger(__name__)
 Metrics = dict[str, dict[Labels, float]]
@@ -64,12 +64,6 @@ def _matches(labels: Labels, want: dict[str, str]) -> bool:
     return set(want.items()) <= labels
 
 
-def counter_delta(before: Metrics, after: Metrics, name: str, **labels: str) -> float:
-    def total(m: Metrics) -> float:
-        return sum(v for k, v in m.get(name, {}).items() if _matches(k, labels))
-    return total(after) - total(before)
-
-
 def histogram_quantile(
     q: float, before: Metrics, after: Metrics, name: str, **labels: str
 ) -> float | None:
@@ -99,10 +93,6 @@ def histogram_quantile(
 
 def gauge_max(m: Metrics, name: str, **labels: str) -> float:
     return max((v for k, v in m.get(name, {}).items() if _matches(k, labels)), default=0.0)
-
-
-def gauge_sum(m: Metrics, name: str, **labels: str) -> float:
-    return sum(v for k, v in m.get(name, {}).items() if _matches(k, labels))
 
 
 class Autoscaler:
@@ -136,8 +126,8 @@ class Autoscaler:
         up: dict[str, str] = {}
 
         def traffic(group: str) -> bool:
-            return counter_delta(before, after, "llm_prompt_tokens_computed_total",
-                                 model=group) > 0 or counter_delta(
+            return metric_delta(before, after, "llm_prompt_tokens_computed_total",
+                                 model=group) > 0 or metric_delta(
                 before, after, "llm_engine_busy_seconds_total", model=group) > 0
 
         ttft = histogram_quantile(0.95, before, after, "llm_time_to_first_token_seconds")
@@ -160,8 +150,8 @@ class Autoscaler:
                 if n < hi and since >= p.scale_up_cooldown_s:
                     decisions.append(Decision(group, n, n + 1, up[group]))
                 continue
-            waiting = gauge_sum(after, "llm_num_requests_waiting", model=group)
-            busy = counter_delta(before, after, "llm_engine_busy_seconds_total", model=group)
+            waiting = metric_sum(after, "llm_num_requests_waiting", model=group)
+            busy = metric_delta(before, after, "llm_engine_busy_seconds_total", model=group)
             idle = 1.0 - busy / ((t1 - t0) * max(n, 1))
             if (n > lo and waiting == 0 and idle > p.idle_fraction
                     and since >= p.scale_down_cooldown_s):

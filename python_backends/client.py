@@ -129,6 +129,23 @@ def metric_sum(metrics: dict[str, dict[Labels, float]], name: str, **labels: str
     return sum(v for k, v in metrics.get(name, {}).items() if want <= k)
 
 
+def metric_delta(
+    before: dict[str, dict[Labels, float]], after: dict[str, dict[Labels, float]], name: str,
+    **labels: str,
+) -> float:
+    """How much a counter (summed like `metric_sum`) grew between two scrapes."""
+    return metric_sum(after, name, **labels) - metric_sum(before, name, **labels)
+
+
+def histogram_mean(
+    before: dict[str, dict[Labels, float]], after: dict[str, dict[Labels, float]], name: str,
+    **labels: str,
+) -> float | None:
+    """Mean of the observations a histogram got between two scrapes; None if it got none."""
+    n = metric_delta(before, after, f"{name}_count", **labels)
+    return metric_delta(before, after, f"{name}_sum", **labels) / n if n else None
+
+
 def percentile(values: list[float], q: float) -> float:
     """The q-quantile (0..1) of `values`, linearly interpolated; NaN for no values."""
     if not values:

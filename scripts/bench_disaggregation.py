@@ -29,7 +29,14 @@ from typing import Any
 import torch
 
 from python_backends.cancel_board import BoardCache, CancelBoard
-from python_backends.client import LLMClient, StreamResult, metric_sum, percentile, scrape
+from python_backends.client import (
+    LLMClient,
+    StreamResult,
+    histogram_mean,
+    metric_delta,
+    percentile,
+    scrape,
+)
 from python_backends.config import DEFAULT_ENGINE_DIR
 from python_backends.kv_transfer import nixl
 from python_backends.kv_transfer.base import KVHandle, KVSink
@@ -165,10 +172,8 @@ def make_prompt(tokenizer: Any, n_tokens: int, salt: int) -> str:
 
 
 def _hist_mean(before: dict[str, Any], after: dict[str, Any], name: str, **labels: str) -> float:
-    n = (metric_sum(after, f"{name}_count", **labels)
-         - metric_sum(before, f"{name}_count", **labels))
-    s = metric_sum(after, f"{name}_sum", **labels) - metric_sum(before, f"{name}_sum", **labels)
-    return s / n if n else float("nan")
+    mean = histogram_mean(before, after, name, **labels)
+    return float("nan") if mean is None else mean
 
 
 def bench_handoff(client: LLMClient, metrics_url: str, tokenizer: Any, transports: list[str],
@@ -186,8 +191,7 @@ def bench_handoff(client: LLMClient, metrics_url: str, tokenizer: Any, transport
         handoff = _hist_mean(before, after, "llm_kv_transfer_duration_seconds", transport=kind)
         prefill = _hist_mean(before, after, "llm_request_prefill_time_seconds",
                              model="prefill")
-        nbytes = (metric_sum(after, "llm_kv_transfer_bytes_total", transport=kind)
-                  - metric_sum(before, "llm_kv_transfer_bytes_total", transport=kind)) / n
+        nbytes = metric_delta(before, after, "llm_kv_transfer_bytes_total", transport=kind) / n
         rows.append({"transport": kind, "prompt_tokens": round(statistics.mean(lengths)),
                      "requests": n,
                      "kv_MiB": nbytes / MIB, "handoff_ms": handoff * 1e3,

@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from python_backends.client import metric_sum, scrape
+from python_backends.client import histogram_mean, scrape
 from python_backends.config import DEFAULT_ENGINE_DIR, PROJECT_ROOT
 from python_backends.launcher import server_for
 
@@ -83,10 +83,8 @@ def row_of(name: str, c: int, result: dict[str, Any]) -> dict[str, Any]:
 
 
 def server_ttft_mean_ms(before: dict[str, Any], after: dict[str, Any]) -> float | None:
-    name = "llm_time_to_first_token_seconds"
-    n = metric_sum(after, f"{name}_count") - metric_sum(before, f"{name}_count")
-    s = metric_sum(after, f"{name}_sum") - metric_sum(before, f"{name}_sum")
-    return 1e3 * s / n if n else None
+    mean = histogram_mean(before, after, "llm_time_to_first_token_seconds")
+    return None if mean is None else 1e3 * mean
 
 
 def plot(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
