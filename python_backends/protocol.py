@@ -17,6 +17,7 @@ import numpy as np
 
 from python_backends.config import EngineLimits
 from python_backends.engine.sequence import SamplingParams
+from python_backends.kv_transfer import TRANSPORTS
 from python_backends.scheduler.admission import DEFAULT_TENANT
 
 DEFAULT_MAX_TOKENS = 64
@@ -101,7 +102,7 @@ MAX_TENANT_LEN = 64
 # handoff failure: "transfer_error" (the pull fails) or "expire_lease" (the lease is already over
 # when the decode instance pulls); either way decode recomputes the prompt.
 ROUTES = ("auto", "aggregated", "disaggregated")
-KV_TRANSPORTS = ("nixl", "host_shm", "cuda_ipc")
+KV_TRANSPORTS = TRANSPORTS
 KV_FAULTS = ("transfer_error", "expire_lease")
 ROUTING_PARAMETERS = {"route": ROUTES, "kv_transport": KV_TRANSPORTS, "kv_fault": KV_FAULTS}
 

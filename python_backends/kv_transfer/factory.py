@@ -5,13 +5,21 @@ from __future__ import annotations
 import torch
 
 from python_backends.cancel_board import BoardCache
-from python_backends.kv_transfer import nixl
+from python_backends.kv_transfer import TRANSPORTS, nixl
 from python_backends.kv_transfer.base import KVSink, KVSource
 from python_backends.kv_transfer.layout import KVLayout
 
 
 class TransportUnavailable(ValueError):
     pass
+
+
+def check_names(kinds: list[str]) -> None:
+    for kind in kinds:
+        if kind not in TRANSPORTS:
+            raise TransportUnavailable(
+                f"unknown KV transport {kind!r} (known: {', '.join(TRANSPORTS)})"
+            )
 
 
 def _check_device(kind: str, pool: torch.Tensor) -> None:
@@ -27,6 +35,7 @@ def make_sources(
 ) -> dict[str, KVSource]:
     """The owner's sources over `pool`; host_shm needs the pool in the shared-memory file
     `shm_name` (see host_shm.SharedPool)."""
+    check_names(kinds)
     sources: dict[str, KVSource] = {}
     for kind in kinds:
         _check_device(kind, pool)
@@ -40,16 +49,15 @@ def make_sources(
             from python_backends.kv_transfer.cuda_ipc import CudaIpcSource
 
             sources[kind] = CudaIpcSource(pool)
-        elif kind == "nixl":
-            sources[kind] = nixl.NixlSource(pool, nixl.agent_name(agent_name))
         else:
-            raise TransportUnavailable(f"unknown KV transport {kind!r}")
+            sources[kind] = nixl.NixlSource(pool, nixl.agent_name(agent_name))
     return sources
 
 
 def make_sinks(
     kinds: list[str], layout: KVLayout, pool: torch.Tensor, agent_name: str, boards: BoardCache
 ) -> dict[str, KVSink]:
+    check_names(kinds)
     sinks: dict[str, KVSink] = {}
     for kind in kinds:
         _check_device(kind, pool)
@@ -61,8 +69,6 @@ def make_sinks(
             from python_backends.kv_transfer.cuda_ipc import CudaIpcSink
 
             sinks[kind] = CudaIpcSink(layout, pool, boards)
-        elif kind == "nixl":
-            sinks[kind] = nixl.NixlSink(layout, pool, nixl.agent_name(agent_name), boards)
         else:
-            raise TransportUnavailable(f"unknown KV transport {kind!r}")
+            sinks[kind] = nixl.NixlSink(layout, pool, nixl.agent_name(agent_name), boards)
     return sinks

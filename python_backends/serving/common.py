@@ -51,15 +51,13 @@ def kv_transports(margs: ModelArgs, default: str = "") -> list[str]:
     """The model's `kv_transports` parameter: comma-separated, in order of preference. NIXL is
     left out, with a warning, where nixl-cu12 is not installed."""
     from python_backends.kv_transfer import nixl
-    from python_backends.protocol import KV_TRANSPORTS
+    from python_backends.kv_transfer.factory import TransportUnavailable, check_names
 
     names = [n.strip() for n in margs.param("kv_transports", default).split(",") if n.strip()]
-    for name in names:
-        if name not in KV_TRANSPORTS:
-            raise pb_utils.TritonModelException(
-                f"{margs.model_name}: unknown KV transport {name!r} in kv_transports "
-                f"(known: {', '.join(KV_TRANSPORTS)})"
-            )
+    try:
+        check_names(names)
+    except TransportUnavailable as e:
+        raise pb_utils.TritonModelException(f"{margs.model_name}: kv_transports: {e}") from None
     if "nixl" in names and not nixl.available():
         logging.getLogger(__name__).warning(
             "%s: nixl-cu12 is not installed; NIXL transport off", margs.model_name

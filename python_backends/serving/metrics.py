@@ -113,14 +113,16 @@ class EngineMetrics:
                 gauge.set(0)
             for state, seen in self._priorities_seen.items():
                 for priority in seen:
-                    _metric(
-                        f"llm_num_requests_{state}_by_priority",
-                        f"Sequences {state}, per priority", pb_utils.MetricFamily.GAUGE,
-                        {**self._labels, "priority": str(priority)},
-                    ).set(0)
+                    self._by_priority(state, priority).set(0)
+
+    def _by_priority(self, state: str, priority: int) -> Metric:
+        return _metric(
+            f"llm_num_requests_{state}_by_priority", f"Sequences {state}, per priority",
+            pb_utils.MetricFamily.GAUGE, {**self._labels, "priority": str(priority)},
+        )
 
     def publish(self, stats: EngineStats) -> None:
-        with self._publish_lock:  # callers on several threads (prefill: requests, reaper)
+        with self._publish_lock:  # the loop thread, and the stub's thread at start and finalize
             self._publish(stats)
 
     def _publish(self, stats: EngineStats) -> None:
@@ -134,10 +136,7 @@ class EngineMetrics:
             seen = self._priorities_seen[state]
             seen.update(counts)
             for priority in seen:  # a class that emptied reads 0, not its last count
-                _metric(
-                    f"llm_num_requests_{state}_by_priority", f"Sequences {state}, per priority",
-                    pb_utils.MetricFamily.GAUGE, {**self._labels, "priority": str(priority)},
-                ).set(counts.get(priority, 0))
+                self._by_priority(state, priority).set(counts.get(priority, 0))
         if stats.busy_seconds > self._busy_published:
             self.busy.increment(stats.busy_seconds - self._busy_published)
             self._busy_published = stats.busy_seconds
