@@ -41,7 +41,6 @@ def prefill_response(result: PrefillResult) -> Any:
         bytes_tensor("FINISH_REASON", [result.finish_reason.value if result.finish_reason
                                        else ""]),
         bytes_tensor("KV_HANDLE", [result.handle.to_json() if result.handle else ""]),
-        tensor("PREFILL_SECONDS", np.array([[result.seconds]], dtype=np.float32)),
     ])
 
 
