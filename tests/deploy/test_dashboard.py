@@ -1,14 +1,27 @@
 """The Grafana dashboard and the Prometheus scrape configuration are well-formed and reference
 only metrics this project documents (tests/e2e/test_metrics.py checks them against a live
-server's scrape)."""
+server's scrape).
+
+Grafana's own schema: the dashboard is decoded with grafana-foundation-sdk, whose models are
+generated from the schemas Grafana publishes for its dashboard kind, panel plugins and Prometheus
+queries (11.6). Every key must survive the round trip (an unknown key is dropped by the decoder)
+and every value must have the type the schema gives it.
+"""
 
 from __future__ import annotations
 
+import enum
 import json
 import re
+import types
+import typing
 from typing import Any
 
+import pytest
 import yaml
+from grafana_foundation_sdk.cog import plugins
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models.dashboard import Dashboard
 
 from python_backends.config import PROJECT_ROOT
 
@@ -60,6 +73,94 @@ def validate_dashboard(d: dict[str, Any]) -> None:
         assert p["targets"] and len(refs) == len(set(refs))
         for t in p["targets"]:
             assert t["expr"].count("(") == t["expr"].count(")"), t["expr"]
+
+
+def schema_errors(value: Any, hint: Any, path: str = "$") -> list[str]:
+    """Where `value` (decoded by the SDK) does not have the type Grafana's schema gives it."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = [h for h in typing.get_args(hint) if h is not type(None)]
+        if value is None and len(options) < len(typing.get_args(hint)):
+            return []
+        tries = [schema_errors(value, h, path) for h in options]
+        return [] if any(not t for t in tries) else min(tries, key=len)
+    if origin is typing.Literal:
+        ok = value in typing.get_args(hint)
+        return [] if ok else [f"{path}: {value!r} is not one of {typing.get_args(hint)}"]
+    if origin is list:
+        if not isinstance(value, list):
+            return [f"{path}: expected a list, got {value!r}"]
+        (item,) = typing.get_args(hint)
+        return [e for i, v in enumerate(value) for e in schema_errors(v, item, f"{path}[{i}]")]
+    if origin is dict:
+        if not isinstance(value, dict):
+            return [f"{path}: expected an object, got {value!r}"]
+        _, item = typing.get_args(hint)
+        return [e for k, v in value.items() for e in schema_errors(v, item, f"{path}.{k}")]
+    if hint in (Any, object) and type(value).__module__.startswith("grafana_foundation_sdk"):
+        hint = type(value)  # a plugin's options or query, decoded through the plugin registry
+    if hint in (Any, object):
+        return []
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        ok = isinstance(value, hint) or value in {m.value for m in hint}
+        return [] if ok else [f"{path}: {value!r} is not one of {[m.value for m in hint]}"]
+    if hint is float:
+        hint = (int, float)
+    if isinstance(value, bool) and hint is not bool:
+        return [f"{path}: expected {hint}, got {value!r}"]
+    if not isinstance(value, hint):
+        return [f"{path}: expected {hint}, got {value!r}"]
+    if not type(value).__module__.startswith("grafana_foundation_sdk"):
+        return []
+    return [e for name, h in typing.get_type_hints(type(value)).items()
+            for e in schema_errors(getattr(value, name), h, f"{path}.{name}")]
+
+
+def dropped_keys(original: Any, encoded: Any, path: str = "$") -> list[str]:
+    """Keys of `original` that the schema's decoder did not keep (Grafana would ignore them)."""
+    if isinstance(original, dict):
+        if not isinstance(encoded, dict):
+            return [path]
+        return [e for k, v in original.items()
+                for e in ([f"{path}.{k}"] if k not in encoded else
+                          dropped_keys(v, encoded[k], f"{path}.{k}"))]
+    if isinstance(original, list):
+        if not isinstance(encoded, list) or len(encoded) != len(original):
+            return [path]
+        return [e for i, (a, b) in enumerate(zip(original, encoded, strict=True))
+                for e in dropped_keys(a, b, f"{path}[{i}]")]
+    return [] if original == encoded else [f"{path}: {original!r} became {encoded!r}"]
+
+
+def grafana_schema_errors(d: dict[str, Any]) -> list[str]:
+    plugins.register_default_plugins()  # panel options and queries decode by plugin type
+    try:
+        model = Dashboard.from_json(json.loads(json.dumps(d)))
+    except (AttributeError, KeyError, TypeError) as e:
+        return [f"$: does not decode: {e!r}"]
+    encoded = json.loads(json.dumps(model, cls=JSONEncoder))
+    return dropped_keys(d, encoded) + schema_errors(model, Dashboard)
+
+
+def test_dashboard_loads_in_grafanas_schema() -> None:
+    assert grafana_schema_errors(json.loads(DASHBOARD.read_text())) == []
+
+
+@pytest.mark.parametrize("breakage", [
+    lambda d: d.__setitem__("graphTooltip", 7),  # not a cursor-sync mode
+    lambda d: d["panels"][0]["gridPos"].__setitem__("w", "wide"),
+    lambda d: d["panels"][0].__setitem__("legend", {"show": True}),  # Grafana 6 graph panel key
+    lambda d: d["panels"][0]["options"]["legend"].__setitem__("displayMode", "grid"),
+    lambda d: d["panels"][0]["options"]["tooltip"].__setitem__("mode", "all"),
+    lambda d: d["panels"][0]["targets"][0].__setitem__("exemplar", "yes"),
+    lambda d: d["panels"][0]["targets"][0].__setitem__("expresion", "up"),
+    lambda d: d["templating"]["list"][0].__setitem__("hide", "no"),
+    lambda d: d["time"].__setitem__("form", "now-1h"),
+])
+def test_grafana_schema_check_rejects_what_grafana_would_not_load(breakage: Any) -> None:
+    d = json.loads(DASHBOARD.read_text())
+    breakage(d)
+    assert grafana_schema_errors(d)
 
 
 def test_dashboard_is_a_valid_grafana_dashboard() -> None:
