@@ -8,8 +8,8 @@ same aiperf workload in the same run, then prints each level's figures and the r
 peer. For our server it also reads the server's own TTFT histogram over each level and prints
 it against aiperf's (they measure the same thing from two ends).
 
-aiperf needs its own environment (its dependencies want numpy 2; the Triton stub's must stay
-below 2):  python3 -m venv .venv-aiperf && .venv-aiperf/bin/pip install aiperf matplotlib
+aiperf runs from its own environment, `.venv-aiperf`, which scripts/test.sh creates (see
+python_backends/aiperf.py).
 
     python scripts/bench_sweep.py --start-server --out-dir bench-results
     python scripts/bench_sweep.py --peer-url http://127.0.0.1:8100 --peer-model SmolLM2
@@ -20,59 +20,29 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import os
-import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from python_backends.aiperf import AiperfError, Target, find_aiperf, profile
 from python_backends.client import histogram_mean, scrape
-from python_backends.config import DEFAULT_ENGINE_DIR, PROJECT_ROOT
+from python_backends.config import DEFAULT_ENGINE_DIR
 from python_backends.launcher import server_for
 
-TEMPLATE = ('{"text_input": {{ text|tojson }}, "max_tokens": {{ max_tokens }}, '
-            '"stream": {{ stream|tojson }}, "end_id": -1, "exclude_input_in_output": true}')
-# (aiperf's JSON key, our column, scale to ms where it is a latency)
+# (aiperf's JSON key, our column)
 FIELDS = [
-    ("request_throughput", "requests_per_s", 1.0),
-    ("output_token_throughput", "output_tokens_per_s", 1.0),
-    ("time_to_first_token", "ttft", 1.0),
-    ("inter_token_latency", "itl", 1.0),
-    ("request_latency", "e2e", 1.0),
+    ("request_throughput", "requests_per_s"),
+    ("output_token_throughput", "output_tokens_per_s"),
+    ("time_to_first_token", "ttft"),
+    ("inter_token_latency", "itl"),
+    ("request_latency", "e2e"),
 ]
-
-
-def find_aiperf(explicit: str | None) -> str:
-    default = str(PROJECT_ROOT / ".venv-aiperf" / "bin" / "aiperf")
-    for candidate in (explicit, os.environ.get("AIPERF"), default, shutil.which("aiperf")):
-        if candidate and Path(candidate).is_file():
-            return candidate
-    raise SystemExit("aiperf not found: python3 -m venv .venv-aiperf && "
-                     ".venv-aiperf/bin/pip install aiperf matplotlib  (or pass --aiperf PATH)")
-
-
-def run_aiperf(aiperf: str, target: dict[str, str], c: int, n: int, args: argparse.Namespace,
-               artifacts: Path) -> dict[str, Any]:
-    cmd = [aiperf, "profile", "--url", target["url"], "-m", target["model"],
-           "--streaming", "--ui", "none", "--no-server-metrics",
-           "--isl", str(args.prompt_tokens), "--osl", str(args.output_tokens),
-           "--concurrency", str(c), "--request-count", str(n),
-           # no warm-up requests: the server's histograms then see exactly aiperf's requests
-           "--tokenizer", str(args.engine), "--artifact-dir", str(artifacts), "--random-seed", "1"]
-    cmd += target["endpoint_args"].split()
-    print(f"[sweep] {target['name']} concurrency {c}: {n} requests ...", flush=True)
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-    if done.returncode != 0:
-        raise SystemExit(f"aiperf failed ({done.returncode}):\n{done.stdout[-3000:]}"
-                         f"\n{done.stderr[-3000:]}")
-    return dict(json.loads((artifacts / "profile_export_aiperf.json").read_text()))
 
 
 def row_of(name: str, c: int, result: dict[str, Any]) -> dict[str, Any]:
     row: dict[str, Any] = {"target": name, "concurrency": c}
-    for key, col, _ in FIELDS:
+    for key, col in FIELDS:
         stats = result.get(key, {})
         if col.endswith("_per_s"):
             row[col] = stats.get("avg")
@@ -138,37 +108,40 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per aiperf run")
     args = ap.parse_args(argv)
     aiperf = find_aiperf(args.aiperf)
+    if aiperf is None:
+        raise SystemExit("aiperf not found: run scripts/test.sh once (it creates .venv-aiperf), "
+                         "or pass --aiperf PATH")
     levels = [int(c) for c in args.concurrency.split(",")]
     args.out_dir.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory() as tmp:
-        template = Path(tmp) / "template.json"
-        template.write_text(TEMPLATE)
-        with server_for(args.start_server, args.url, args.metrics_url, args.engine,
-                        Path("/tmp/bench-sweep-triton.log")) as (url, metrics_url):
-            ours = {"name": "triton-llm", "url": url, "model": "ensemble",
-                    "endpoint_args": "--endpoint-type template --custom-endpoint "
-                    f"/v2/models/ensemble/generate_stream --extra-inputs "
-                    f"payload_template:{template} --extra-inputs response_field:text_output"}
-            targets = [ours]
-            if args.peer_url:
-                targets.append({"name": "peer", "url": args.peer_url, "model": args.peer_model,
-                                "endpoint_args": f"--endpoint-type {args.peer_endpoint} "
-                                "--extra-inputs ignore_eos:true"})
-            for target in targets:
-                for c in levels:
-                    artifacts = Path(tmp) / f"{target['name']}-c{c}"
-                    before = scrape(metrics_url) if target is ours else {}
-                    result = run_aiperf(aiperf, target, c, max(args.requests, 2 * c), args,
-                                        artifacts)
-                    row = row_of(target["name"], c, result)
-                    if target is ours:
-                        row["server_ttft_avg_ms"] = server_ttft_mean_ms(before,
-                                                                        scrape(metrics_url))
-                    rows.append(row)
-                    print(f"[sweep]   {row['output_tokens_per_s']:.1f} tok/s, TTFT p50 "
-                          f"{row['ttft_p50_ms']:.0f} ms, ITL p50 {row['itl_p50_ms']:.1f} ms",
-                          flush=True)
+    with tempfile.TemporaryDirectory() as tmp, server_for(
+            args.start_server, args.url, args.metrics_url, args.engine,
+            Path("/tmp/bench-sweep-triton.log")) as (url, metrics_url):
+        ours = Target.ours(url, Path(tmp))
+        targets = [ours]
+        if args.peer_url:
+            targets.append(Target.openai(args.peer_url, args.peer_model, args.peer_endpoint))
+        for target in targets:
+            for c in levels:
+                n = max(args.requests, 2 * c)
+                print(f"[sweep] {target.name} concurrency {c}: {n} requests ...", flush=True)
+                before = scrape(metrics_url) if target is ours else {}
+                try:
+                    result = profile(aiperf, target, concurrency=c, requests=n,
+                                     prompt_tokens=args.prompt_tokens,
+                                     output_tokens=args.output_tokens, tokenizer=args.engine,
+                                     artifacts=Path(tmp) / f"{target.name}-c{c}",
+                                     timeout_s=args.timeout)
+                except AiperfError as e:
+                    raise SystemExit(str(e)) from e
+                row = row_of(target.name, c, result)
+                if target is ours:
+                    row["server_ttft_avg_ms"] = server_ttft_mean_ms(before,
+                                                                    scrape(metrics_url))
+                rows.append(row)
+                print(f"[sweep]   {row['output_tokens_per_s']:.1f} tok/s, TTFT p50 "
+                      f"{row['ttft_p50_ms']:.0f} ms, ITL p50 {row['itl_p50_ms']:.1f} ms",
+                      flush=True)
     (args.out_dir / "results.json").write_text(json.dumps(rows, indent=2) + "\n")
     with (args.out_dir / "results.csv").open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=sorted({k for r in rows for k in r},

@@ -30,3 +30,17 @@ if [[ ! -f "$ENGINE_DIR/config.json" ]]; then
   "$PY" "$ROOT/scripts/build_engine.py" --output "$ENGINE_DIR"
 fi
 export LLM_ENGINE_DIR="$ENGINE_DIR"
+
+# aiperf (NVIDIA's LLM benchmark client) in its own environment: its dependencies want numpy 2,
+# the Triton stub's must stay below 2. Used by scripts/bench_sweep.py and the aiperf e2e test.
+#   LLM_AIPERF_VENV  environment directory (default: .venv-aiperf in the project)
+AIPERF_VERSION=0.13.0
+ensure_aiperf() {
+  local venv="${LLM_AIPERF_VENV:-$ROOT/.venv-aiperf}"
+  if [[ "$("$venv/bin/aiperf" --version 2>/dev/null | tail -1)" != *"$AIPERF_VERSION"* ]]; then
+    log "installing aiperf $AIPERF_VERSION in $venv (first run: about a minute)"
+    [[ -x "$venv/bin/python" ]] || python3 -m venv "$venv"
+    "$venv/bin/python" -m pip install -q "aiperf==$AIPERF_VERSION" matplotlib
+  fi
+  export AIPERF="$venv/bin/aiperf"
+}

@@ -2,6 +2,7 @@
 # Run the whole test suite (unit tests, then end-to-end tests against one real Triton server).
 #   scripts/test.sh [pytest args]
 source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
+ensure_aiperf  # for tests/e2e/test_aiperf.py
 cd "$ROOT"
 "$PY" -m ruff check .
 "$PY" -m mypy

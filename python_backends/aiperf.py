@@ -1,0 +1,85 @@
+"""Driving aiperf (NVIDIA's LLM benchmark client) against this server or an OpenAI-compatible peer.
+
+aiperf lives in its own environment (its dependencies want numpy 2; the Triton stub's must stay
+below 2): `scripts/test.sh` creates `.venv-aiperf`, or by hand
+`python3 -m venv .venv-aiperf && .venv-aiperf/bin/pip install aiperf==0.13.0 matplotlib`.
+Our server is driven through its `generate_stream` endpoint with aiperf's template endpoint
+(see PLATFORM.md), the end id ignored so every request produces exactly `output_tokens`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from python_backends.config import PROJECT_ROOT
+
+TEMPLATE = ('{"text_input": {{ text|tojson }}, "max_tokens": {{ max_tokens }}, '
+            '"stream": {{ stream|tojson }}, "end_id": -1, "exclude_input_in_output": true}')
+
+
+class AiperfError(RuntimeError):
+    pass
+
+
+def find_aiperf(explicit: str | None = None) -> str | None:
+    """The aiperf executable: `explicit`, $AIPERF, .venv-aiperf, then $PATH."""
+    default = str(PROJECT_ROOT / ".venv-aiperf" / "bin" / "aiperf")
+    for candidate in (explicit, os.environ.get("AIPERF"), default, shutil.which("aiperf")):
+        if candidate and Path(candidate).is_file():
+            return candidate
+    return None
+
+
+@dataclass(frozen=True)
+class Target:
+    """What aiperf drives: a name for the tables, a base URL, a model and endpoint arguments."""
+
+    name: str
+    url: str
+    model: str
+    endpoint_args: tuple[str, ...]
+
+    @classmethod
+    def ours(cls, url: str, workdir: Path, name: str = "triton-llm") -> Target:
+        template = workdir / "aiperf-template.json"
+        template.write_text(TEMPLATE)
+        return cls(name, url, "ensemble", (
+            "--endpoint-type", "template",
+            "--custom-endpoint", "/v2/models/ensemble/generate_stream",
+            "--extra-inputs", f"payload_template:{template}",
+            "--extra-inputs", "response_field:text_output"))
+
+    @classmethod
+    def openai(cls, url: str, model: str, endpoint: str = "completions",
+               name: str = "peer") -> Target:
+        return cls(name, url, model, ("--endpoint-type", endpoint,
+                                      "--extra-inputs", "ignore_eos:true"))
+
+
+def profile(aiperf: str, target: Target, *, concurrency: int, requests: int, prompt_tokens: int,
+            output_tokens: int, tokenizer: Path, artifacts: Path,
+            timeout_s: float = 1800.0) -> dict[str, Any]:
+    """One aiperf run (streaming, fixed prompt/output lengths, no warm-up, so the server's own
+    histograms see exactly these requests); returns aiperf's summary (profile_export_aiperf.json:
+    per metric a dict of avg/p50/p95/...; latencies in ms)."""
+    cmd = [aiperf, "profile", "--url", target.url, "-m", target.model,
+           "--streaming", "--ui", "none", "--no-server-metrics",
+           "--isl", str(prompt_tokens), "--osl", str(output_tokens),
+           "--concurrency", str(concurrency), "--request-count", str(requests),
+           "--tokenizer", str(tokenizer), "--artifact-dir", str(artifacts), "--random-seed", "1",
+           *target.endpoint_args]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as e:
+        raise AiperfError(f"aiperf did not finish in {timeout_s:.0f} s") from e
+    summary = artifacts / "profile_export_aiperf.json"
+    if done.returncode != 0 or not summary.is_file():
+        raise AiperfError(f"aiperf failed ({done.returncode}):\n{done.stdout[-3000:]}\n"
+                          f"{done.stderr[-3000:]}")
+    return dict(json.loads(summary.read_text()))
