@@ -56,10 +56,12 @@ class Target:
             "--extra-inputs", "response_field:text_output"))
 
     @classmethod
-    def openai(cls, url: str, model: str, endpoint: str = "completions",
-               name: str = "peer") -> Target:
-        return cls(name, url, model, ("--endpoint-type", endpoint,
-                                      "--extra-inputs", "ignore_eos:true"))
+    def openai(cls, url: str, model: str, endpoint: str = "completions", name: str = "peer",
+               ignore_eos: bool = True) -> Target:
+        """`ignore_eos`: send vLLM's `ignore_eos` (a server that refuses unknown fields must
+        then be configured without an end token to produce every output token)."""
+        extra = ("--extra-inputs", "ignore_eos:true") if ignore_eos else ()
+        return cls(name, url, model, ("--endpoint-type", endpoint, *extra))
 
 
 def profile(aiperf: str, target: Target, *, concurrency: int, requests: int, prompt_tokens: int,

@@ -87,7 +87,11 @@ class EngineLimits:
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """Ranks of one engine instance; one weight file per rank."""
+    """Ranks of one engine instance; one weight file per rank.
+
+    Rank r is tensor-parallel rank `r % tp` of pipeline stage `r // tp`. Rank 0 runs in the
+    serving process and drives the others (python_backends/parallel).
+    """
 
     tp: int = 1
     pp: int = 1
@@ -98,8 +102,32 @@ class ParallelLayout:
         return self.tp * self.pp
 
     def __post_init__(self) -> None:
-        if (self.tp, self.pp, self.ep) != (1, 1, 1):
-            raise EngineConfigError("this engine build supports only tp=pp=ep=1")
+        for name in ("tp", "pp", "ep"):
+            if getattr(self, name) < 1:
+                raise EngineConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.ep != 1:
+            raise EngineConfigError("expert parallelism needs a mixture-of-experts model; "
+                                    "this engine build supports dense Llama models (ep=1)")
+
+    def check(self, model: ModelConfig) -> None:
+        """Refuse a layout the model cannot take, saying why."""
+        if model.num_kv_heads % self.tp:
+            possible = [t for t in range(1, model.num_kv_heads + 1) if model.num_kv_heads % t == 0]
+            raise EngineConfigError(
+                f"tp={self.tp} does not divide the model's {model.num_kv_heads} KV heads "
+                f"(KV heads are split across tensor-parallel ranks); possible tp: {possible}"
+            )
+        if model.intermediate_size % self.tp:
+            raise EngineConfigError(f"tp={self.tp} does not divide the MLP's intermediate size "
+                                    f"{model.intermediate_size}")
+        if self.pp > model.num_layers:
+            raise EngineConfigError(f"pp={self.pp} exceeds the model's {model.num_layers} layers")
+
+    def stage_layers(self, num_layers: int, stage: int) -> range:
+        """Contiguous layers of pipeline stage `stage` (earlier stages take the remainder)."""
+        base, extra = divmod(num_layers, self.pp)
+        start = stage * base + min(stage, extra)
+        return range(start, start + base + (stage < extra))
 
 
 @dataclass(frozen=True)
@@ -126,6 +154,7 @@ class EngineConfig:
             raise EngineConfigError(f"unsupported architecture {self.architecture!r}")
         if self.dtype not in SUPPORTED_DTYPES:
             raise EngineConfigError(f"unsupported dtype {self.dtype!r}")
+        self.parallel.check(self.model)
         if self.limits.max_seq_len > self.model.max_position_embeddings:
             raise EngineConfigError(
                 f"max_seq_len {self.limits.max_seq_len} exceeds the model's "

@@ -104,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peer-url", default=None, help="an OpenAI-compatible server to compare")
     ap.add_argument("--peer-model", default="SmolLM2-135M-Instruct")
     ap.add_argument("--peer-endpoint", default="completions", choices=("completions", "chat"))
+    ap.add_argument("--peer-ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                    help="send ignore_eos to the peer (vLLM); --no-peer-ignore-eos for servers "
+                    "that refuse it (configure them without an end token instead)")
     ap.add_argument("--out-dir", type=Path, default=Path("bench-results"))
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per aiperf run")
     args = ap.parse_args(argv)
@@ -120,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         ours = Target.ours(url, Path(tmp))
         targets = [ours]
         if args.peer_url:
-            targets.append(Target.openai(args.peer_url, args.peer_model, args.peer_endpoint))
+            targets.append(Target.openai(args.peer_url, args.peer_model, args.peer_endpoint,
+                                         ignore_eos=args.peer_ignore_eos))
         for target in targets:
             for c in levels:
                 n = max(args.requests, 2 * c)

@@ -3,6 +3,7 @@
 
     python scripts/build_engine.py                       # SmolLM2-135M-Instruct -> engines/smollm2
     python scripts/build_engine.py --source ckpt_dir --output engines/mymodel --dtype bfloat16
+    python scripts/build_engine.py --tp 3 --output engines/smollm2-tp3   # one file per rank
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from python_backends.config import EngineConfigError, EngineLimits
+from python_backends.config import EngineConfigError, EngineLimits, ParallelLayout
 from python_backends.engine.builder import build_engine, default_source
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parent.parent / "engines" / "smollm2"
@@ -28,6 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
     ap.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
     ap.add_argument("--block-size", type=int, default=defaults.block_size)
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (divides KV heads)")
+    ap.add_argument("--pp", type=int, default=1, help="pipeline stages (at most the layers)")
+    ap.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (MoE models only)")
     ap.add_argument("--force", action="store_true", help="overwrite an existing engine")
     args = ap.parse_args(argv)
     try:
@@ -37,9 +41,10 @@ def main(argv: list[str] | None = None) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens,
             block_size=args.block_size,
         )
+        parallel = ParallelLayout(tp=args.tp, pp=args.pp, ep=args.ep)
         source = args.source or default_source()
         build_engine(source, args.output, limits, args.dtype, args.force,
-                     log=lambda m: print(f"[build_engine] {m}", flush=True))
+                     log=lambda m: print(f"[build_engine] {m}", flush=True), parallel=parallel)
     except EngineConfigError as e:
         print(f"[build_engine] error: {e}", file=sys.stderr)
         return 2

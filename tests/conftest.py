@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from python_backends.config import EngineLimits
+from python_backends.config import EngineLimits, ParallelLayout
 from python_backends.engine.builder import write_engine
 from python_backends.engine.llm_engine import LLMEngine
 
@@ -32,7 +32,8 @@ class TinyModel:
 
 
 def make_tiny_llama(
-    out_dir: Path, seed: int = 0, limits: EngineLimits | None = None, **config: Any
+    out_dir: Path, seed: int = 0, limits: EngineLimits | None = None,
+    parallel: ParallelLayout | None = None, **config: Any
 ) -> TinyModel:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -47,7 +48,8 @@ def make_tiny_llama(
     hf = LlamaForCausalLM(cfg).eval()
     limits = limits or EngineLimits(max_seq_len=256, max_num_seqs=16, max_num_batched_tokens=256,
                                     block_size=4)
-    write_engine(hf, None, out_dir, limits, "float32", "random", log=lambda _m: None)
+    write_engine(hf, None, out_dir, limits, "float32", "random", log=lambda _m: None,
+                 parallel=parallel)
     return TinyModel(out_dir, hf)
 
 

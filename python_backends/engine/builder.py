@@ -21,10 +21,12 @@ from python_backends.config import (
     EngineConfigError,
     EngineLimits,
     ModelConfig,
+    ParallelLayout,
     RopeScaling,
     TokenizerInfo,
 )
 from python_backends.engine.loader import DTYPES
+from python_backends.parallel.sharding import shard_state
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SUPPORTED_MODEL_TYPES = ("llama",)
@@ -115,8 +117,10 @@ def tokenizer_info(tokenizer: Any, hf_config: Any) -> TokenizerInfo:
 def write_engine(
     model: Any, tokenizer: Any, out_dir: Path, limits: EngineLimits, dtype: str,
     source: str, force: bool = False, log: Callable[[str], None] = print,
+    parallel: ParallelLayout | None = None,
 ) -> EngineConfig:
-    """Write an engine directory from an in-memory Hugging Face model (and tokenizer, if any)."""
+    """Write an engine directory from an in-memory Hugging Face model (and tokenizer, if any):
+    one weight file per rank of `parallel`, holding only that rank's shards."""
     if dtype not in DTYPES:
         raise EngineConfigError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     model_cfg = model_config_from_hf(model.config)
@@ -126,8 +130,9 @@ def write_engine(
         model=model_cfg,
         limits=limits,
         tokenizer=tokenizer_info(tokenizer, model.config),
+        parallel=parallel or ParallelLayout(),
         source=source,
-    )
+    )  # refuses a layout the model cannot take
     if out_dir.exists():
         if not force:
             raise EngineConfigError(f"{out_dir} exists; pass --force to overwrite it")
@@ -140,9 +145,13 @@ def write_engine(
         for name, t in model.state_dict().items()
         if not (model_cfg.tie_word_embeddings and name == "lm_head.weight")
     }
-    log(f"writing {len(state)} tensors ({sum(t.numel() for t in state.values()) / 1e6:.1f} M "
-        f"parameters, {dtype}) to {config.weight_files()[0]}")
-    save_file(state, str(tmp / config.weight_files()[0]))
+    log(f"{len(state)} tensors, {sum(t.numel() for t in state.values()) / 1e6:.1f} M parameters "
+        f"({dtype}), layout tp={config.parallel.tp} pp={config.parallel.pp}")
+    for rank, filename in enumerate(config.weight_files()):
+        shard = shard_state(state, model_cfg, config.parallel, rank)
+        log(f"writing {filename}: {len(shard)} tensors, "
+            f"{sum(t.numel() for t in shard.values()) / 1e6:.1f} M parameters")
+        save_file(shard, str(tmp / filename))
     if tokenizer is not None:
         tokenizer.save_pretrained(str(tmp))
     config.save(tmp)
@@ -153,6 +162,7 @@ def write_engine(
 def build_engine(
     source: Path, out_dir: Path, limits: EngineLimits, dtype: str = "float32",
     force: bool = False, log: Callable[[str], None] = print,
+    parallel: ParallelLayout | None = None,
 ) -> EngineConfig:
     if out_dir.exists() and not force:
         raise EngineConfigError(f"{out_dir} exists; pass --force to overwrite it")
@@ -162,6 +172,9 @@ def build_engine(
     log(f"loaded in {time.monotonic() - t0:.1f}s")
     if tokenizer is None:
         log("warning: no tokenizer files in the checkpoint; the engine cannot serve text")
-    config = write_engine(model, tokenizer, out_dir, limits, dtype, str(source), force, log)
+    if parallel is not None:  # refuse an impossible layout before writing anything
+        parallel.check(model_config_from_hf(model.config))
+    config = write_engine(model, tokenizer, out_dir, limits, dtype, str(source), force, log,
+                          parallel)
     log(f"engine ready at {out_dir} in {time.monotonic() - t0:.1f}s")
     return config

@@ -78,6 +78,7 @@ class EngineLoop:
         self._inbox.put(None)
         if self._thread.is_alive():
             self._thread.join(timeout)
+        self.engine.close()
 
     def submit(
         self, seq_id: str, prompt_ids: list[int], params: SamplingParams,

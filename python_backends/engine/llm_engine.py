@@ -25,6 +25,7 @@ from python_backends.engine.sequence import (
 from python_backends.engine.waiting_queue import WaitingQueue
 from python_backends.kv_transfer.layout import KVLayout, allocate_pool
 from python_backends.models.llama import LlamaForCausalLM
+from python_backends.parallel.group import RankGroup
 
 # Copies a handed-off sequence's KV into the given local blocks; False: not possible (recompute).
 KVFetch = Callable[[list[int]], bool]
@@ -73,10 +74,11 @@ class LLMEngine:
     def __init__(
         self, config: EngineConfig, model: LlamaForCausalLM, num_kv_blocks: int,
         enable_chunked_prefill: bool = True, waiting: WaitingQueue | None = None,
-        kv_pool: torch.Tensor | None = None,
+        kv_pool: torch.Tensor | None = None, group: RankGroup | None = None,
     ) -> None:
         """`kv_pool`: a tensor of `kv_layout(config, num_kv_blocks).shape` (shared memory for
-        a KV transport), else one is allocated."""
+        a KV transport), else one is allocated. `group`: ranks 1..N-1 of a multi-rank engine
+        (this process is rank 0 and `model` holds its shards); closed by `close`."""
         self.config = config
         self.kv_layout = kv_layout(config, num_kv_blocks)
         if kv_pool is None:
@@ -85,7 +87,7 @@ class LLMEngine:
             raise ValueError(f"KV pool shape {tuple(kv_pool.shape)} != {self.kv_layout.shape}")
         self.blocks = BlockManager(num_kv_blocks, config.limits.block_size)
         self.scheduler = Scheduler(config.limits, self.blocks, enable_chunked_prefill, waiting)
-        self.runner = ModelRunner(model, kv_pool, config.limits.block_size)
+        self.runner = ModelRunner(model, kv_pool, config.limits.block_size, group)
         self._handoffs: deque[_Handoff] = deque()
         self.busy_seconds = 0.0
         # Called after a step's handoffs were pulled (a KV sink sends their releases).
@@ -99,9 +101,22 @@ class LLMEngine:
     ) -> LLMEngine:
         """`kv_pool`: makes the pool for the engine's layout (default: plain memory)."""
         config = EngineConfig.load(engine_dir)
-        model = load_model(engine_dir, config)
-        pool = kv_pool(kv_layout(config, num_kv_blocks)) if kv_pool is not None else None
-        return cls(config, model, num_kv_blocks, enable_chunked_prefill, waiting, pool)
+        group = None
+        if config.parallel.world_size > 1:
+            group = RankGroup(engine_dir, config, num_kv_blocks)
+        try:
+            model = load_model(engine_dir, config, group.ctx if group else None)
+            pool = kv_pool(kv_layout(config, num_kv_blocks)) if kv_pool is not None else None
+            return cls(config, model, num_kv_blocks, enable_chunked_prefill, waiting, pool, group)
+        except BaseException:
+            if group is not None:
+                group.close()
+            raise
+
+    def close(self) -> None:
+        """Stop the engine's other ranks, if any (idempotent)."""
+        if self.runner.group is not None:
+            self.runner.group.close()
 
     @property
     def kv_pool(self) -> torch.Tensor:
@@ -235,5 +250,11 @@ class LLMEngine:
 
 
 
-def kv_layout(config: EngineConfig, num_kv_blocks: int) -> KVLayout:
-    return KVLayout.for_model(config.model, config.limits.block_size, num_kv_blocks, config.dtype)
+def kv_layout(config: EngineConfig, num_kv_blocks: int, rank: int = 0) -> KVLayout:
+    """The KV pool of rank `rank`: its stage's layers and its tensor-parallel share of heads."""
+    layout, m = config.parallel, config.model
+    return KVLayout(
+        num_layers=len(layout.stage_layers(m.num_layers, rank // layout.tp)),
+        num_kv_heads=m.num_kv_heads // layout.tp, head_dim=m.head_dim,
+        block_size=config.limits.block_size, dtype=config.dtype, num_blocks=num_kv_blocks,
+        tp_rank=rank % layout.tp, tp_size=layout.tp)

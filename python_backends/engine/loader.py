@@ -9,6 +9,7 @@ from safetensors.torch import load_file
 
 from python_backends.config import EngineConfig, EngineConfigError
 from python_backends.models.llama import LlamaForCausalLM
+from python_backends.parallel.context import ParallelContext
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Engine files keep Hugging Face's names; the model packs these projections into one matrix
@@ -32,22 +33,27 @@ def pack_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def load_model(engine_dir: str | Path, config: EngineConfig, rank: int = 0) -> LlamaForCausalLM:
-    path = Path(engine_dir) / config.weight_files()[rank]
+def load_model(
+    engine_dir: str | Path, config: EngineConfig, ctx: ParallelContext | None = None
+) -> LlamaForCausalLM:
+    """The weights of rank `ctx.rank` (default: the single-rank context)."""
+    ctx = ctx or ParallelContext(config.parallel)
+    path = Path(engine_dir) / config.weight_files()[ctx.rank]
     if not path.is_file():
         raise EngineConfigError(f"weight file {path} missing: rebuild the engine")
     dtype = DTYPES[config.dtype]
     with torch.device("meta"):
-        model = LlamaForCausalLM(config.model)
+        model = LlamaForCausalLM(config.model, ctx)
     state = pack_weights(load_file(str(path)))
-    expected = {k for k in model.state_dict() if not _is_tied_head(k, config)}
+    tied = config.model.tie_word_embeddings and model.model.embed_tokens is not None
+    expected = {k for k in model.state_dict() if not (tied and k == "lm_head.weight")}
     missing, unexpected = expected - state.keys(), state.keys() - expected
     if missing or unexpected:
         raise EngineConfigError(
             f"{path}: missing tensors {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
         )
     model.load_state_dict(state, strict=False, assign=True)
-    if config.model.tie_word_embeddings:
+    if tied and model.lm_head is not None and model.model.embed_tokens is not None:
         model.lm_head.weight = model.model.embed_tokens.weight
     # The rotary tables are buffers computed from the config, not weights: rebuild them for real.
     model.model.rotary_emb = type(model.model.rotary_emb)(
@@ -58,6 +64,3 @@ def load_model(engine_dir: str | Path, config: EngineConfig, rank: int = 0) -> L
     model.pack_linears()
     return model
 
-
-def _is_tied_head(name: str, config: EngineConfig) -> bool:
-    return config.model.tie_word_embeddings and name == "lm_head.weight"

@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
+
 import torch
 
 from python_backends.engine.attention import AttentionMetadata, DecodeBatch, PrefillSpan
-from python_backends.engine.scheduler import SchedulerOutput
+from python_backends.engine.scheduler import ScheduledSequence, SchedulerOutput
 from python_backends.engine.sequence import Sequence
 from python_backends.models.llama import LlamaForCausalLM
+from python_backends.parallel.group import RankGroup
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_pool: torch.Tensor, block_size: int) -> None:
+    def __init__(self, model: LlamaForCausalLM, kv_pool: torch.Tensor, block_size: int,
+                 group: RankGroup | None = None) -> None:
         """`kv_pool`: [layers, 2, slots, kv_heads, head_dim] (see kv_transfer.layout), allocated
-        once: the one region a KV transport maps or registers."""
+        once: the one region a KV transport maps or registers; this rank's slice under TP/PP.
+        `group`: the other ranks, when the engine has more than one."""
         self.model = model
+        self.group = group
         self.block_size = block_size
         self.kv_pool = kv_pool
         self.kv_caches = list(kv_pool.unbind(0))  # one [2, S, K, D] view per layer
@@ -28,7 +34,7 @@ class ModelRunner:
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
     def prepare(
-        self, out: SchedulerOutput
+        self, scheduled: Seq[ScheduledSequence]
     ) -> tuple[torch.Tensor, AttentionMetadata, list[Sequence]]:
         input_ids: list[int] = []
         positions: list[torch.Tensor] = []
@@ -39,7 +45,7 @@ class ModelRunner:
         logits_index: list[int] = []
         sampling: list[Sequence] = []
         t = 0
-        for item in out.scheduled:
+        for item in scheduled:
             seq, n = item.seq, item.num_new_tokens
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             input_ids.extend(seq.token_at(i) for i in range(start, end))
@@ -78,5 +84,37 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[Sequence]]:
         """Compute the step; returns logits [N, V] of the sampling sequences, in order."""
-        input_ids, meta, sampling = self.prepare(out)
-        return self.model(input_ids, meta), sampling
+        if self.group is None:
+            input_ids, meta, sampling = self.prepare(out.scheduled)
+            return self.model(input_ids, meta), sampling
+        batches, sampling = [], []
+        for part in self._micro_batches(out.scheduled):
+            input_ids, meta, seqs = self.prepare(part)
+            batches.append((input_ids, meta))
+            sampling.extend(seqs)
+        return torch.cat(self.group.run(self.model, batches)), sampling
+
+    def _micro_batches(
+        self, scheduled: tuple[ScheduledSequence, ...]
+    ) -> list[tuple[ScheduledSequence, ...]]:
+        """As many parts as pipeline stages (fewer for a small step), balanced by token count,
+        so the stages overlap on different parts; one part without pipeline parallelism."""
+        assert self.group is not None
+        parts = min(self.group.config.parallel.pp, len(scheduled))
+        if parts <= 1:
+            return [scheduled]
+        total = sum(s.num_new_tokens for s in scheduled)
+        out: list[tuple[ScheduledSequence, ...]] = []
+        current: list[ScheduledSequence] = []
+        done = 0
+        for item in scheduled:
+            current.append(item)
+            done += item.num_new_tokens
+            remaining_items = len(scheduled) - sum(map(len, out)) - len(current)
+            if (len(out) < parts - 1 and done >= total * (len(out) + 1) / parts
+                    and remaining_items >= parts - 1 - len(out)):
+                out.append(tuple(current))
+                current = []
+        if current:
+            out.append(tuple(current))
+        return out

@@ -16,8 +16,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from python_backends.config import ModelConfig
-
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -33,13 +31,6 @@ class KVLayout:
     num_blocks: int
     tp_rank: int = 0
     tp_size: int = 1
-
-    @classmethod
-    def for_model(
-        cls, model: ModelConfig, block_size: int, num_blocks: int, dtype: str
-    ) -> KVLayout:
-        return cls(model.num_layers, model.num_kv_heads, model.head_dim, block_size, dtype,
-                   num_blocks)
 
     @property
     def shape(self) -> tuple[int, ...]:

@@ -4,7 +4,13 @@ Parameter names follow Hugging Face's `LlamaForCausalLM`, so engine weight files
 state dicts. Numerics follow Hugging Face's float32 path (RMSNorm in float32, rotate-half RoPE)
 because greedy output must match it token for token.
 
-Shapes: T tokens in the step, E hidden size, H/K query/KV heads, D head size, V vocabulary.
+Parallelism lives in the layers (python_backends/parallel/layers.py): under tensor parallelism
+each rank holds H/tp query and K/tp KV heads (and their slice of the paged cache) and I/tp of the
+MLP; under pipeline parallelism a stage holds a contiguous range of layers, the first stage the
+embedding and the last the final norm and LM head. With one rank it is the plain model.
+
+Shapes: T tokens in the step, E hidden size, H/K query/KV heads (this rank's), D head size,
+V vocabulary.
 """
 
 from __future__ import annotations
@@ -17,34 +23,15 @@ from torch import nn
 
 from python_backends.config import ModelConfig, RopeScaling
 from python_backends.engine.attention import AttentionMetadata, paged_attention, write_kv
-
-
-class Linear(nn.Linear):
-    """nn.Linear that can pre-pack its weight for oneDNN on the CPU.
-
-    A batch-16 decode step streams every weight once; oneDNN's blocked layout halves the time of
-    those small-M GEMMs against the default sgemm path (measured here: 23 vs 50 ms for 424 MB of
-    cold weights). Packing happens once after loading; results differ from F.linear only in
-    float32 rounding (~1e-4), and greedy output is checked against Hugging Face in the tests.
-    """
-
-    packed: torch.Tensor | None = None
-
-    def pack(self) -> bool:
-        if self.weight.dtype != torch.float32 or self.weight.device.type != "cpu":
-            return False
-        try:
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 16)
-        except (RuntimeError, AttributeError):  # no oneDNN in this build: keep F.linear
-            return False
-        # The plain copy is no longer read (a tied embedding keeps its own reference).
-        self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
-        return True
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
-        return F.linear(x, self.weight)
+from python_backends.parallel.context import ParallelContext
+from python_backends.parallel.layers import (
+    ColumnParallelLinear,
+    Linear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    shard_size,
+)
 
 
 class RMSNorm(nn.Module):
@@ -114,16 +101,17 @@ def apply_rotary(x: torch.Tensor, rotary: Rotary) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        )
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.num_heads = shard_size(cfg.num_heads, ctx)
+        self.num_kv_heads = shard_size(cfg.num_kv_heads, ctx)
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
         # q, k and v projections packed into one matrix (see loader.PACKED_MODULES).
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
-        self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.qkv_proj = ColumnParallelLinear(
+            cfg.hidden_size, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, ctx)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, ctx)
         self.scale = cfg.head_dim**-0.5
         # [2, S, K, D]; bound by the model runner once the pool is allocated.
         self.kv_cache = torch.empty(0)
@@ -140,11 +128,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext) -> None:
         super().__init__()
         # gate and up projections packed into one matrix (see loader.PACKED_MODULES).
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, 2 * cfg.intermediate_size, ctx)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, ctx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -152,12 +140,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, ctx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, ctx)
 
     def forward(self, x: torch.Tensor, rotary: Rotary, meta: AttentionMetadata) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rotary, meta)
@@ -165,35 +153,49 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """This stage's layers (numbered from 0 within the stage), with the embedding on the first
+    stage and the final norm on the last."""
+
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.ctx = ctx
+        self.embed_tokens = (VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx)
+                             if ctx.is_first_stage else None)
+        num_layers = len(ctx.layout.stage_layers(cfg.num_layers, ctx.pp_rank))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, ctx) for _ in range(num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if ctx.is_last_stage else None
         self.rotary_emb = RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
         )
 
-    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # [T, E]
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """x: token ids [T] on the first stage, else the previous stage's hidden states [T, E]."""
+        if self.embed_tokens is not None:
+            x = self.embed_tokens(x)  # [T, E]
         rotary = self.rotary_emb(meta.positions, x.dtype)
         for layer in self.layers:
             x = layer(x, rotary, meta)
-        return self.norm(x)
+        return self.norm(x) if self.norm is not None else x
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext | None = None) -> None:
         super().__init__()
+        ctx = ctx or ParallelContext()
         self.config = cfg
-        self.model = LlamaModel(cfg)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
+        self.ctx = ctx
+        self.model = LlamaModel(cfg, ctx)
+        self.lm_head = (ParallelLMHead(cfg.hidden_size, cfg.vocab_size, ctx)
+                        if ctx.is_last_stage else None)
+        if cfg.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Logits [N, V] (float32) of the tokens in `meta.logits_index`."""
-        hidden = self.model(input_ids, meta)
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Last stage: logits [N, V] (float32) of the tokens in `meta.logits_index`; earlier
+        stages: hidden states [T, E] for the next stage."""
+        hidden = self.model(x, meta)
+        if self.lm_head is None:
+            return hidden
         return self.lm_head(hidden[meta.logits_index]).float()
 
     def pack_linears(self) -> int:

@@ -1,0 +1,233 @@
+"""The rank processes of one engine instance, driven by rank 0.
+
+Rank 0 lives in the serving process (the Triton stub): it schedules, and for every step
+broadcasts the step's micro-batches (token ids and attention metadata: a few KB) to ranks
+1..N-1, which it started as child processes (`python -m python_backends.parallel.group`), then
+computes its own part. Inside a stage the tensor-parallel ranks meet in the layers' collectives;
+between stages hidden states go point to point, one micro-batch at a time, so stage s works on
+micro-batch i + 1 while stage s + 1 works on micro-batch i. The last stage sends the logits to
+rank 0. gloo on CPU; every rank holds only its own shards and its own slice of the KV cache.
+
+A rank that dies is noticed before the next step (or by the failing collective) and reported as
+`RankFailure` naming the rank and its exit status; ranks die with their parent (PDEATHSIG), so
+a killed stub leaves no orphans.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import datetime
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+
+from python_backends.config import EngineConfig
+from python_backends.engine.attention import AttentionMetadata
+from python_backends.engine.loader import DTYPES
+from python_backends.models.llama import LlamaForCausalLM
+from python_backends.parallel.context import ParallelContext, timed
+
+MicroBatch = tuple[torch.Tensor, AttentionMetadata]  # token ids [T], their metadata
+STARTUP_TIMEOUT_S = 300.0
+
+
+class RankFailure(RuntimeError):
+    """A rank of the engine's parallel group died or stopped answering."""
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _threads_per_rank(world_size: int) -> int:
+    return max(1, (os.cpu_count() or 1) // world_size)
+
+
+def join_group(rank: int, layout_world: int, port: int, config: EngineConfig,
+               timeout_s: float) -> ParallelContext:
+    """Rendezvous of all ranks; every rank creates every stage's tensor-parallel group (the
+    calls must match across ranks) and keeps its own."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=layout_world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    tp = config.parallel.tp
+    mine = None
+    for stage in range(config.parallel.pp):
+        group = dist.new_group(list(range(stage * tp, (stage + 1) * tp)))
+        if rank // tp == stage:
+            mine = group
+    return ParallelContext(config.parallel, rank, mine)
+
+
+def run_stage(model: LlamaForCausalLM, ctx: ParallelContext, batches: Sequence[MicroBatch],
+              dtype: torch.dtype) -> list[torch.Tensor]:
+    """This rank's part of one step: the logits of every micro-batch on rank 0, else [].
+    `dtype`: the engine's (of the hidden states passed between stages)."""
+    cfg = model.config
+    logits: list[torch.Tensor] = []
+    sends: list[tuple[Any, torch.Tensor]] = []  # (pending isend, the tensor it reads)
+    for ids, meta in batches:
+        x = ids
+        if not ctx.is_first_stage:
+            x = torch.empty(len(ids), cfg.hidden_size, dtype=dtype)
+            with timed("send_recv"):
+                dist.recv(x, src=ctx.rank_of(ctx.pp_rank - 1))
+        y = model(x, meta)
+        if not ctx.is_last_stage:
+            with timed("send_recv"):
+                sends.append((dist.isend(y, dst=ctx.rank_of(ctx.pp_rank + 1)), y))
+        elif ctx.rank == 0:
+            logits.append(y)
+        elif ctx.tp_rank == 0 and len(y):
+            with timed("send_recv"):
+                sends.append((dist.isend(y, dst=0), y))
+    if ctx.rank == 0 and not ctx.is_last_stage:
+        last = ctx.rank_of(ctx.layout.pp - 1, 0)
+        for _, meta in batches:
+            buf = torch.empty(len(meta.logits_index), cfg.vocab_size, dtype=torch.float32)
+            if len(buf):
+                with timed("send_recv"):
+                    dist.recv(buf, src=last)
+            logits.append(buf)
+    for work, _ in sends:
+        work.wait()
+    return logits
+
+
+class RankGroup:
+    """Rank 0's handle on the group: starts ranks 1..N-1, runs steps, stops them."""
+
+    def __init__(self, engine_dir: str | Path, config: EngineConfig, num_kv_blocks: int,
+                 timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        self.config = config
+        self.dtype = DTYPES[config.dtype]
+        world = config.parallel.world_size
+        torch.set_num_threads(_threads_per_rank(world))
+        port = _free_port()
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        for rank in range(1, world):
+            self.procs[rank] = subprocess.Popen(
+                [_python(), "-m", "python_backends.parallel.group", "--engine-dir",
+                 str(engine_dir), "--rank", str(rank), "--port", str(port),
+                 "--num-kv-blocks", str(num_kv_blocks)],
+                env={**os.environ, "OMP_NUM_THREADS": str(_threads_per_rank(world))},
+            )
+        try:
+            self.ctx = join_group(0, world, port, config, timeout_s)
+        except Exception as e:
+            self._kill()
+            raise RankFailure(f"the engine's {world} ranks did not meet: {e}; "
+                              f"{self._exit_codes()}") from e
+
+    def check(self) -> None:
+        """Raise RankFailure if a rank has exited."""
+        for rank, proc in self.procs.items():
+            code = proc.poll()
+            if code is not None:
+                raise RankFailure(f"engine rank {rank} (pid {proc.pid}) exited with status "
+                                  f"{code}; the instance cannot compute until it is reloaded")
+
+    def run(self, model: LlamaForCausalLM, batches: list[MicroBatch]) -> list[torch.Tensor]:
+        self.check()
+        try:
+            with timed("broadcast"):
+                dist.broadcast_object_list([("step", batches)], src=0)
+            return run_stage(model, self.ctx, batches, self.dtype)
+        except RuntimeError as e:  # a collective failed: a peer died mid-step
+            self.check()
+            raise RankFailure(f"engine rank group failed mid-step: {e}") from e
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        if not self.procs:
+            return
+        try:
+            if all(p.poll() is None for p in self.procs.values()):
+                dist.broadcast_object_list([("stop", None)], src=0)
+        except RuntimeError:
+            pass
+        deadline = time.monotonic() + timeout_s
+        for proc in self.procs.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(max(0.1, deadline - time.monotonic()))
+        self._kill()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.procs = {}
+
+    def _kill(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+    def _exit_codes(self) -> str:
+        return ", ".join(f"rank {r}: {'running' if p.poll() is None else f'exit {p.poll()}'}"
+                         for r, p in self.procs.items())
+
+
+def _python() -> str:
+    """The interpreter for rank processes: inside a Triton stub sys.executable is the stub."""
+    exe = Path(sys.executable)
+    if exe.name.startswith("python"):
+        return str(exe)
+    return str(Path(sys.prefix) / "bin" / "python3")
+
+
+def _die_with_parent() -> None:
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+    if os.getppid() == 1:  # the parent is already gone
+        sys.exit(1)
+
+
+def rank_main(argv: list[str] | None = None) -> int:
+    """Ranks 1..N-1: join, load this rank's shards and KV slice, then follow rank 0."""
+    from python_backends.engine.llm_engine import kv_layout
+    from python_backends.engine.loader import load_model
+    from python_backends.engine.model_runner import ModelRunner
+    from python_backends.kv_transfer.layout import allocate_pool
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--engine-dir", required=True)
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--num-kv-blocks", type=int, required=True)
+    args = ap.parse_args(argv)
+    _die_with_parent()
+    config = EngineConfig.load(args.engine_dir)
+    torch.set_num_threads(_threads_per_rank(config.parallel.world_size))
+    ctx = join_group(args.rank, config.parallel.world_size, args.port, config, STARTUP_TIMEOUT_S)
+    model = load_model(args.engine_dir, config, ctx)
+    pool = allocate_pool(kv_layout(config, args.num_kv_blocks, args.rank))
+    ModelRunner(model, pool, config.limits.block_size)  # binds the layers to their KV slice
+    while True:
+        msg: list[object] = [None]
+        dist.broadcast_object_list(msg, src=0)
+        kind, payload = cast(tuple[str, Any], msg[0])
+        if kind == "stop":
+            break
+        with torch.inference_mode():
+            run_stage(model, ctx, payload, DTYPES[config.dtype])
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(rank_main())

@@ -1,0 +1,108 @@
+"""Layers that split their weights across the tensor-parallel ranks of a stage.
+
+Column-parallel projections (q/k/v, gate/up) hold a slice of the output features and need no
+communication; row-parallel ones (o_proj, down_proj) hold a slice of the input features and sum
+their partial outputs with one all-reduce, so each attention and each MLP block costs exactly one.
+The embedding and the LM head hold a slice of the vocabulary (padded to a multiple of tp by the
+engine builder). With tp = 1 every layer is its plain single-device counterpart.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from python_backends.parallel.context import ParallelContext
+
+
+class Linear(nn.Linear):
+    """nn.Linear that can pre-pack its weight for oneDNN on the CPU.
+
+    A batch-16 decode step streams every weight once; oneDNN's blocked layout halves the time of
+    those small-M GEMMs against the default sgemm path (measured here: 23 vs 50 ms for 424 MB of
+    cold weights). Packing happens once after loading; results differ from F.linear only in
+    float32 rounding (~1e-4), and greedy output is checked against Hugging Face in the tests.
+    """
+
+    packed: torch.Tensor | None = None
+
+    def pack(self) -> bool:
+        if self.weight.dtype != torch.float32 or self.weight.device.type != "cpu":
+            return False
+        try:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 16)
+        except (RuntimeError, AttributeError):  # no oneDNN in this build: keep F.linear
+            return False
+        # The plain copy is no longer read (a tied embedding keeps its own reference).
+        self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
+        return True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        return F.linear(x, self.weight)
+
+
+def shard_size(full: int, ctx: ParallelContext) -> int:
+    if full % ctx.tp_size:
+        raise ValueError(f"{full} does not split over tp={ctx.tp_size}")
+    return full // ctx.tp_size
+
+
+def padded_vocab(vocab_size: int, tp: int) -> int:
+    return -(-vocab_size // tp) * tp
+
+
+class ColumnParallelLinear(Linear):
+    """y[..., my slice of out_features] = x W_slice^T. Packed projections (qkv, gate_up) are
+    sharded part by part by the builder, so the local slice is again [q; k; v] or [gate; up]."""
+
+    def __init__(self, in_features: int, out_features: int, ctx: ParallelContext) -> None:
+        super().__init__(in_features, shard_size(out_features, ctx), bias=False)
+
+
+class RowParallelLinear(Linear):
+    """y = sum over ranks of x[..., my slice] W[:, my slice]^T: one all-reduce."""
+
+    def __init__(self, in_features: int, out_features: int, ctx: ParallelContext) -> None:
+        super().__init__(shard_size(in_features, ctx), out_features, bias=False)
+        self.ctx = ctx
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ctx.all_reduce(super().forward(x))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [tp_rank * V/tp, (tp_rank + 1) * V/tp) of the (padded) table; tokens outside the
+    slice embed to zero here and come from their owner through one all-reduce."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, ctx: ParallelContext) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self.num_local = padded_vocab(vocab_size, ctx.tp_size) // ctx.tp_size
+        self.start = ctx.tp_rank * self.num_local
+        self.weight = nn.Parameter(torch.empty(self.num_local, hidden_size))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.ctx.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.num_local)
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        x.masked_fill_(outside.unsqueeze(-1), 0.0)
+        return self.ctx.all_reduce(x)
+
+
+class ParallelLMHead(Linear):
+    """Logits of this rank's vocabulary slice, gathered into the full vocabulary."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, ctx: ParallelContext) -> None:
+        super().__init__(hidden_size, padded_vocab(vocab_size, ctx.tp_size) // ctx.tp_size,
+                         bias=False)
+        self.ctx = ctx
+        self.vocab_size = vocab_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.ctx.all_gather_last_dim(super().forward(x))
+        return logits[..., : self.vocab_size]
