@@ -199,13 +199,18 @@ class TritonRepository:
         for extra in groups[1:]:
             extra["count"] = 0
         config["instance_group"] = [g for g in groups if g["count"]]
+        self.load(model, config, f"with {count} instances")
+
+    def load(self, model: str, config: dict[str, Any], what: str = "") -> None:
+        """(Re)load `model` with `config` (Triton's JSON form of config.pbtxt); the running
+        version serves until the new one is ready."""
         r = self.session.post(
             f"{self.url}/v2/repository/models/{model}/load",
             data=json.dumps({"parameters": {"config": json.dumps(config)}}),
             timeout=self.timeout_s,
         )
         if r.status_code != 200:
-            raise RuntimeError(f"loading {model} with {count} instances failed: {r.text}")
+            raise RuntimeError(f"loading {model} {what} failed: {r.text}")
 
     def served_groups(self) -> list[str]:
         r = self.session.post(f"{self.url}/v2/repository/index", data="{}", timeout=30)

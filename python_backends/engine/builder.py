@@ -6,6 +6,7 @@ The server only ever loads the result.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import shutil
 import time
@@ -14,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from python_backends.config import (
     EngineConfig,
@@ -159,6 +160,40 @@ def write_engine(
     return config
 
 
+def is_engine_dir(path: Path) -> bool:
+    return (path / "config.json").is_file() and (path / "rank0.safetensors").is_file()
+
+
+def reshard_engine(
+    source: Path, out_dir: Path, parallel: ParallelLayout, force: bool = False,
+    log: Callable[[str], None] = print,
+) -> EngineConfig:
+    """A single-rank engine directory re-split for another layout (no transformers, no
+    dequantization: the source's weights are already the engine's dtype)."""
+    config = EngineConfig.load(source)
+    if config.parallel.world_size != 1:
+        raise EngineConfigError(f"{source} is split over {config.parallel.world_size} ranks; "
+                                "reshard from a single-rank engine")
+    parallel.check(config.model)
+    if out_dir.exists():
+        if not force:
+            raise EngineConfigError(f"{out_dir} exists; pass --force to overwrite it")
+        shutil.rmtree(out_dir)
+    tmp = out_dir.with_name(out_dir.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(source, tmp, ignore=shutil.ignore_patterns("*.safetensors", "config.json"))
+    state = load_file(str(source / config.weight_files()[0]))
+    config = dataclasses.replace(config, parallel=parallel)
+    for rank, filename in enumerate(config.weight_files()):
+        shard = shard_state(state, config.model, parallel, rank)
+        log(f"writing {filename}: {len(shard)} tensors, "
+            f"{sum(t.numel() for t in shard.values()) / 1e6:.1f} M parameters")
+        save_file(shard, str(tmp / filename))
+    config.save(tmp)
+    tmp.rename(out_dir)
+    return config
+
+
 def build_engine(
     source: Path, out_dir: Path, limits: EngineLimits, dtype: str = "float32",
     force: bool = False, log: Callable[[str], None] = print,
@@ -167,6 +202,11 @@ def build_engine(
     if out_dir.exists() and not force:
         raise EngineConfigError(f"{out_dir} exists; pass --force to overwrite it")
     t0 = time.monotonic()
+    if is_engine_dir(source):
+        log(f"resharding the engine {source}")
+        config = reshard_engine(source, out_dir, parallel or ParallelLayout(), force, log)
+        log(f"engine ready at {out_dir} in {time.monotonic() - t0:.1f}s")
+        return config
     log(f"loading {source} with transformers (GGUF files are dequantized here, once)")
     model, tokenizer = load_hf(source)
     log(f"loaded in {time.monotonic() - t0:.1f}s")

@@ -20,6 +20,7 @@ import contextlib
 import ctypes
 import datetime
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -180,11 +181,12 @@ class RankGroup:
 
 
 def _python() -> str:
-    """The interpreter for rank processes: inside a Triton stub sys.executable is the stub."""
+    """The interpreter for rank processes. Inside a Triton stub sys.executable is not Python;
+    the stub runs the environment of the first python3 on PATH (see PLATFORM.md)."""
     exe = Path(sys.executable)
     if exe.name.startswith("python"):
         return str(exe)
-    return str(Path(sys.prefix) / "bin" / "python3")
+    return shutil.which("python3") or str(Path(sys.prefix) / "bin" / "python3")
 
 
 def _die_with_parent() -> None:

@@ -1,0 +1,114 @@
+"""Engines split over ranks, served through the running Triton server: the `worker` model is
+reloaded (model-repository API) onto a tensor- or pipeline-parallel engine directory; rank 0
+runs in the stub and starts the other ranks; greedy output equals Hugging Face's."""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from python_backends.autoscaler import TritonRepository
+from python_backends.client import as_list
+from python_backends.config import EngineConfig, ParallelLayout
+from python_backends.engine.builder import reshard_engine, write_engine
+from tests.e2e.conftest import ENGINE_DIR, MAX_TOKENS, PROMPTS, Reference, Server
+
+pytestmark = pytest.mark.e2e
+GREEDY = {"max_tokens": MAX_TOKENS, "exclude_input_in_output": True, "route": "aggregated"}
+RANK_MODULE = "python_backends.parallel.group"
+
+
+def rank_pids() -> set[int]:
+    pids = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if RANK_MODULE.encode() in cmdline:
+            pids.add(int(pid))
+    return pids
+
+
+@contextmanager
+def worker_serving(server: Server, engine_dir: Path) -> Iterator[None]:
+    """The `worker` model reloaded onto `engine_dir`, restored afterwards."""
+    repo = TritonRepository(server.options.http_url)
+    original = repo.config("worker")
+    config = copy.deepcopy(original)
+    config.setdefault("parameters", {})["engine_dir"] = {"string_value": str(engine_dir)}
+    repo.load("worker", config, f"on {engine_dir}")
+    try:
+        yield
+    finally:
+        repo.load("worker", original, "back on its own engine")
+
+
+def expect_ranks(n: int, timeout_s: float = 30.0) -> set[int]:
+    """Rank processes settle to `n` (old ones go as the old model version unloads)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while len(pids := rank_pids()) != n and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(pids) == n, pids
+    return pids
+
+
+@pytest.mark.parametrize("layout", [ParallelLayout(tp=3), ParallelLayout(pp=2)],
+                         ids=["tp3", "pp2"])
+def test_smollm2_split_matches_hf(server: Server, reference: Reference, layout: ParallelLayout,
+                                  tmp_path: Path) -> None:
+    engine = tmp_path / "engine"
+    reshard_engine(ENGINE_DIR, engine, layout, log=lambda _m: None)
+    assert expect_ranks(0) == set()
+    with worker_serving(server, engine):
+        expect_ranks(layout.world_size - 1)
+        for prompt in PROMPTS:
+            out = server.client.generate(prompt, **GREEDY)
+            assert as_list(out["output_ids"]) == reference.outputs[prompt], prompt
+        streamed = server.client.stream_collect(PROMPTS[2], **GREEDY)
+        assert streamed.output_ids == reference.outputs[PROMPTS[2]]
+    expect_ranks(0)  # the split engine's ranks stopped with it: no orphans
+    out = server.client.generate(PROMPTS[0], **GREEDY)
+    assert as_list(out["output_ids"]) == reference.outputs[PROMPTS[0]]
+
+
+@pytest.fixture(scope="module")
+def tp2_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    """SmolLM2 has 3 KV heads, so TP=2 is served on a random-weight Llama with SmolLM2's
+    vocabulary and tokenizer (the ensemble's preprocessing tokenizes for every model)."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(31)
+    hf = LlamaForCausalLM(LlamaConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+        initializer_range=0.3, tie_word_embeddings=True)).eval()
+    out = tmp_path_factory.mktemp("tp2") / "engine"
+    limits = EngineConfig.load(ENGINE_DIR).limits
+    write_engine(hf, AutoTokenizer.from_pretrained(str(ENGINE_DIR)), out, limits, "float32",
+                 "random", log=lambda _m: None, parallel=ParallelLayout(tp=2))
+    return out, hf
+
+
+def test_tp2_matches_hf(server: Server, reference: Reference,
+                        tp2_model: tuple[Path, Any]) -> None:
+    engine, hf = tp2_model
+    n = 16
+    with worker_serving(server, engine):
+        expect_ranks(1)
+        for prompt in PROMPTS[:4]:
+            ids = reference.tokenizer(prompt)["input_ids"]
+            want = hf.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n,
+                               do_sample=False, pad_token_id=0)[0, len(ids):].tolist()
+            out = server.client.generate(prompt, max_tokens=n, end_id=-1, route="aggregated")
+            assert as_list(out["output_ids"]) == want, prompt
+    expect_ranks(0)
