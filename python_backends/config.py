@@ -16,7 +16,7 @@ DEFAULT_ENGINE_DIR = PROJECT_ROOT / "engines" / "smollm2"  # what scripts/serve.
 ENGINE_DIR_ENV = "LLM_ENGINE_DIR"
 FORMAT_VERSION = 1
 CONFIG_FILE = "config.json"
-SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_ARCHITECTURES = ("llama", "mixtral")  # dense, and mixture-of-experts MLPs
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -55,8 +55,16 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    # Mixture of experts (Mixtral-style): experts per MoE layer (0: dense MLPs), and how many
+    # each token is routed to. `intermediate_size` is then one expert's.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
 
     def __post_init__(self) -> None:
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise EngineConfigError(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) must be in 1.."
+                f"{self.num_experts}")
         if self.num_heads % self.num_kv_heads:
             raise EngineConfigError(
                 f"num_heads ({self.num_heads}) must be a multiple of "
@@ -89,8 +97,10 @@ class EngineLimits:
 class ParallelLayout:
     """Ranks of one engine instance; one weight file per rank.
 
-    Rank r is tensor-parallel rank `r % tp` of pipeline stage `r // tp`. Rank 0 runs in the
-    serving process and drives the others (python_backends/parallel).
+    A pipeline stage has `stage_size` = max(tp, ep) ranks: attention (and dense MLPs) split over
+    tp of them, a mixture-of-experts layer's experts over ep. Rank r is local rank `r %
+    stage_size` of stage `r // stage_size`. Rank 0 runs in the serving process and drives the
+    others (python_backends/parallel).
     """
 
     tp: int = 1
@@ -98,16 +108,21 @@ class ParallelLayout:
     ep: int = 1
 
     @property
+    def stage_size(self) -> int:
+        return max(self.tp, self.ep)
+
+    @property
     def world_size(self) -> int:
-        return self.tp * self.pp
+        return self.stage_size * self.pp
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "ep"):
             if getattr(self, name) < 1:
                 raise EngineConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.ep != 1:
-            raise EngineConfigError("expert parallelism needs a mixture-of-experts model; "
-                                    "this engine build supports dense Llama models (ep=1)")
+        if self.ep > 1 and self.tp not in (1, self.ep):
+            raise EngineConfigError(
+                f"tp={self.tp} with ep={self.ep}: experts and attention share a stage's ranks, "
+                "so tp must be 1 (attention replicated) or equal ep")
 
     def check(self, model: ModelConfig) -> None:
         """Refuse a layout the model cannot take, saying why."""
@@ -117,11 +132,17 @@ class ParallelLayout:
                 f"tp={self.tp} does not divide the model's {model.num_kv_heads} KV heads "
                 f"(KV heads are split across tensor-parallel ranks); possible tp: {possible}"
             )
-        if model.intermediate_size % self.tp:
+        if not model.num_experts and model.intermediate_size % self.tp:
             raise EngineConfigError(f"tp={self.tp} does not divide the MLP's intermediate size "
                                     f"{model.intermediate_size}")
         if self.pp > model.num_layers:
             raise EngineConfigError(f"pp={self.pp} exceeds the model's {model.num_layers} layers")
+        if self.ep > 1 and not model.num_experts:
+            raise EngineConfigError(f"ep={self.ep} needs a mixture-of-experts model; this one "
+                                    "has dense MLPs")
+        if model.num_experts % self.ep:
+            raise EngineConfigError(f"ep={self.ep} does not divide the model's "
+                                    f"{model.num_experts} experts")
 
     def stage_layers(self, num_layers: int, stage: int) -> range:
         """Contiguous layers of pipeline stage `stage` (earlier stages take the remainder)."""

@@ -30,7 +30,7 @@ from python_backends.engine.loader import DTYPES
 from python_backends.parallel.sharding import shard_state
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SUPPORTED_MODEL_TYPES = ("llama",)
+SUPPORTED_MODEL_TYPES = ("llama", "mixtral")
 
 
 def default_source() -> Path:
@@ -87,6 +87,9 @@ def model_config_from_hf(hf: Any) -> ModelConfig:
     rope_type = str(rope.get("rope_type") or rope.get("type") or "default")
     known = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     scaling = RopeScaling(rope_type=rope_type, **{k: rope[k] for k in known if k in rope})
+    window = getattr(hf, "sliding_window", None)
+    if window is not None and window < hf.max_position_embeddings:
+        raise EngineConfigError(f"sliding-window attention ({window} tokens) is not supported")
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     return ModelConfig(
         vocab_size=hf.vocab_size,
@@ -101,6 +104,8 @@ def model_config_from_hf(hf: Any) -> ModelConfig:
         max_position_embeddings=hf.max_position_embeddings,
         tie_word_embeddings=bool(hf.tie_word_embeddings),
         rope_scaling=scaling,
+        num_experts=int(getattr(hf, "num_local_experts", 0) or 0),
+        num_experts_per_tok=int(getattr(hf, "num_experts_per_tok", 0) or 0),
     )
 
 
@@ -126,7 +131,7 @@ def write_engine(
         raise EngineConfigError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     model_cfg = model_config_from_hf(model.config)
     config = EngineConfig(
-        architecture="llama",
+        architecture=model.config.model_type,
         dtype=dtype,
         model=model_cfg,
         limits=limits,

@@ -25,6 +25,7 @@ from python_backends.engine.sequence import (
 from python_backends.engine.waiting_queue import WaitingQueue
 from python_backends.kv_transfer.layout import KVLayout, allocate_pool
 from python_backends.models.llama import LlamaForCausalLM
+from python_backends.parallel.context import ParallelContext
 from python_backends.parallel.group import RankGroup
 
 # Copies a handed-off sequence's KV into the given local blocks; False: not possible (recompute).
@@ -106,6 +107,8 @@ class LLMEngine:
             group = RankGroup(engine_dir, config, num_kv_blocks)
         try:
             model = load_model(engine_dir, config, group.ctx if group else None)
+            if group is not None:
+                group.wait_ready()
             pool = kv_pool(kv_layout(config, num_kv_blocks)) if kv_pool is not None else None
             return cls(config, model, num_kv_blocks, enable_chunked_prefill, waiting, pool, group)
         except BaseException:
@@ -252,9 +255,9 @@ class LLMEngine:
 
 def kv_layout(config: EngineConfig, num_kv_blocks: int, rank: int = 0) -> KVLayout:
     """The KV pool of rank `rank`: its stage's layers and its tensor-parallel share of heads."""
-    layout, m = config.parallel, config.model
+    ctx, m = ParallelContext(config.parallel, rank), config.model
     return KVLayout(
-        num_layers=len(layout.stage_layers(m.num_layers, rank // layout.tp)),
-        num_kv_heads=m.num_kv_heads // layout.tp, head_dim=m.head_dim,
+        num_layers=len(config.parallel.stage_layers(m.num_layers, ctx.pp_rank)),
+        num_kv_heads=m.num_kv_heads // ctx.tp_size, head_dim=m.head_dim,
         block_size=config.limits.block_size, dtype=config.dtype, num_blocks=num_kv_blocks,
-        tp_rank=rank % layout.tp, tp_size=layout.tp)
+        tp_rank=ctx.tp_rank, tp_size=ctx.tp_size)

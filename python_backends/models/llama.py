@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral-without-sliding-window) over a paged cache.
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral-without-sliding-window, and Mixtral's
+mixture-of-experts MLPs) over a paged cache.
 
 Parameter names follow Hugging Face's `LlamaForCausalLM`, so engine weight files are plain
 state dicts. Numerics follow Hugging Face's float32 path (RMSNorm in float32, rotate-half RoPE)
@@ -32,6 +33,7 @@ from python_backends.parallel.layers import (
     VocabParallelEmbedding,
     shard_size,
 )
+from python_backends.parallel.moe import MoE
 
 
 class RMSNorm(nn.Module):
@@ -145,7 +147,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, ctx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, ctx)
+        self.mlp = MoE(cfg, ctx) if cfg.num_experts else MLP(cfg, ctx)
 
     def forward(self, x: torch.Tensor, rotary: Rotary, meta: AttentionMetadata) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rotary, meta)

@@ -60,16 +60,16 @@ def _threads_per_rank(world_size: int) -> int:
 
 def join_group(rank: int, layout_world: int, port: int, config: EngineConfig,
                timeout_s: float) -> ParallelContext:
-    """Rendezvous of all ranks; every rank creates every stage's tensor-parallel group (the
-    calls must match across ranks) and keeps its own."""
+    """Rendezvous of all ranks; every rank creates every stage's group (the calls must match
+    across ranks) and keeps its own."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=layout_world,
                             timeout=datetime.timedelta(seconds=timeout_s))
-    tp = config.parallel.tp
+    size = config.parallel.stage_size
     mine = None
     for stage in range(config.parallel.pp):
-        group = dist.new_group(list(range(stage * tp, (stage + 1) * tp)))
-        if rank // tp == stage:
+        group = dist.new_group(list(range(stage * size, (stage + 1) * size)))
+        if rank // size == stage:
             mine = group
     return ParallelContext(config.parallel, rank, mine)
 
@@ -93,7 +93,7 @@ def run_stage(model: LlamaForCausalLM, ctx: ParallelContext, batches: Sequence[M
                 sends.append((dist.isend(y, dst=ctx.rank_of(ctx.pp_rank + 1)), y))
         elif ctx.rank == 0:
             logits.append(y)
-        elif ctx.tp_rank == 0 and len(y):
+        elif ctx.local_rank == 0 and len(y):
             with timed("send_recv"):
                 sends.append((dist.isend(y, dst=0), y))
     if ctx.rank == 0 and not ctx.is_last_stage:
@@ -132,6 +132,15 @@ class RankGroup:
         except Exception as e:
             self._kill()
             raise RankFailure(f"the engine's {world} ranks did not meet: {e}; "
+                              f"{self._exit_codes()}") from e
+
+    def wait_ready(self) -> None:
+        """Return once every rank has loaded its shards (they load in parallel with rank 0)."""
+        try:
+            dist.barrier()
+        except RuntimeError as e:
+            self._kill()
+            raise RankFailure(f"an engine rank failed while loading: {e}; "
                               f"{self._exit_codes()}") from e
 
     def check(self) -> None:
@@ -219,6 +228,7 @@ def rank_main(argv: list[str] | None = None) -> int:
     model = load_model(args.engine_dir, config, ctx)
     pool = allocate_pool(kv_layout(config, args.num_kv_blocks, args.rank))
     ModelRunner(model, pool, config.limits.block_size)  # binds the layers to their KV slice
+    dist.barrier()  # loaded: see RankGroup.wait_ready
     while True:
         msg: list[object] = [None]
         dist.broadcast_object_list(msg, src=0)

@@ -11,14 +11,17 @@ import re
 import torch
 
 from python_backends.config import ModelConfig, ParallelLayout
+from python_backends.parallel.context import ParallelContext
 from python_backends.parallel.layers import padded_vocab
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # Column-parallel weights split their rows (output features: whole heads, since the head size
-# divides each slice), row-parallel ones their columns (input features).
+# divides each slice), row-parallel ones their columns (input features); the experts of a
+# mixture-of-experts layer ([experts, ...] tensors) are split whole across expert-parallel ranks.
 _COLUMN = {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
            "mlp.gate_proj.weight", "mlp.up_proj.weight"}
 _ROW = {"self_attn.o_proj.weight", "mlp.down_proj.weight"}
+_EXPERTS = {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"}
 
 
 def _slice(t: torch.Tensor, dim: int, tp: int, rank: int) -> torch.Tensor:
@@ -37,10 +40,10 @@ def shard_state(
     state: dict[str, torch.Tensor], cfg: ModelConfig, layout: ParallelLayout, rank: int
 ) -> dict[str, torch.Tensor]:
     """The tensors rank `rank` holds. `state` is the full model's (tied head absent or present)."""
-    tp, stage = layout.tp, rank // layout.tp
-    tp_rank = rank % tp
-    layers = layout.stage_layers(cfg.num_layers, stage)
-    first, last = stage == 0, stage == layout.pp - 1
+    ctx = ParallelContext(layout, rank)
+    tp, tp_rank = layout.tp, ctx.tp_rank
+    layers = layout.stage_layers(cfg.num_layers, ctx.pp_rank)
+    first, last = ctx.is_first_stage, ctx.is_last_stage
     out: dict[str, torch.Tensor] = {}
     for name, t in state.items():
         m = _LAYER.match(name)
@@ -53,8 +56,10 @@ def shard_state(
                 out[local] = _slice(t, 0, tp, tp_rank)
             elif rest in _ROW:
                 out[local] = _slice(t, 1, tp, tp_rank)
+            elif rest in _EXPERTS:
+                out[local] = _slice(t, 0, layout.ep, ctx.ep_rank)
             else:
-                out[local] = t.contiguous()  # norms: replicated
+                out[local] = t.contiguous()  # norms, the MoE router: replicated
         elif name == "model.embed_tokens.weight":
             if first:
                 out[name] = _vocab_shard(t, cfg.vocab_size, tp, tp_rank)

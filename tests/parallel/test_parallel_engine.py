@@ -88,8 +88,10 @@ def test_builder_refuses_layouts_the_model_cannot_take(tmp_path: Path) -> None:
     with pytest.raises(EngineConfigError, match=r"pp=4 exceeds the model's 3 layers"):
         write_engine(hf, None, tmp_path / "b", limits, "float32", "x",
                      parallel=ParallelLayout(pp=4))
-    with pytest.raises(EngineConfigError, match=r"mixture-of-experts"):
-        ParallelLayout(ep=2)
+    with pytest.raises(EngineConfigError, match=r"ep=2 needs a mixture-of-experts model"):
+        write_engine(hf, None, tmp_path / "c", limits, "float32", "x",
+                     parallel=ParallelLayout(ep=2))
+    assert not (tmp_path / "c").exists()
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
