@@ -69,6 +69,8 @@ class EngineStats:
     busy_seconds: float  # since start: time spent in steps that computed something
     running_by_priority: dict[int, int]
     waiting_by_priority: dict[int, int]
+    ranks_alive: int = 1  # of the engine's parallel group; fewer than ranks_total: unhealthy
+    ranks_total: int = 1
 
 
 class LLMEngine:
@@ -249,6 +251,8 @@ class LLMEngine:
             busy_seconds=self.busy_seconds,
             running_by_priority=dict(Counter(s.priority for s in self.scheduler.running)),
             waiting_by_priority=dict(Counter(s.priority for s in self.scheduler.waiting)),
+            ranks_alive=self.runner.group.ranks_alive if self.runner.group else 1,
+            ranks_total=self.config.parallel.world_size,
         )
 
 

@@ -19,6 +19,7 @@ import argparse
 import contextlib
 import ctypes
 import datetime
+import logging
 import os
 import shutil
 import signal
@@ -38,6 +39,7 @@ from python_backends.engine.loader import DTYPES
 from python_backends.models.llama import LlamaForCausalLM
 from python_backends.parallel.context import ParallelContext, timed
 
+log = logging.getLogger(__name__)
 MicroBatch = tuple[torch.Tensor, AttentionMetadata]  # token ids [T], their metadata
 STARTUP_TIMEOUT_S = 300.0
 
@@ -120,6 +122,7 @@ class RankGroup:
         torch.set_num_threads(_threads_per_rank(world))
         port = _free_port()
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        self._failure_logged = False
         for rank in range(1, world):
             self.procs[rank] = subprocess.Popen(
                 [_python(), "-m", "python_backends.parallel.group", "--engine-dir",
@@ -144,12 +147,23 @@ class RankGroup:
                               f"{self._exit_codes()}") from e
 
     def check(self) -> None:
-        """Raise RankFailure if a rank has exited."""
+        """Raise RankFailure if a rank has exited (logged once, when first seen)."""
         for rank, proc in self.procs.items():
             code = proc.poll()
             if code is not None:
-                raise RankFailure(f"engine rank {rank} (pid {proc.pid}) exited with status "
-                                  f"{code}; the instance cannot compute until it is reloaded")
+                message = (f"engine rank {rank} (pid {proc.pid}) exited with status {code}; "
+                           "the instance cannot compute until it is reloaded")
+                if not self._failure_logged:
+                    log.error("%s", message)
+                    self._failure_logged = True
+                raise RankFailure(message)
+
+    @property
+    def ranks_alive(self) -> int:
+        """Ranks running, this one included (for the health gauge; checks without raising)."""
+        with contextlib.suppress(RankFailure):
+            self.check()  # logs a death once
+        return 1 + sum(p.poll() is None for p in self.procs.values())
 
     def run(self, model: LlamaForCausalLM, batches: list[MicroBatch]) -> list[torch.Tensor]:
         self.check()

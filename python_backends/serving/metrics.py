@@ -56,6 +56,11 @@ class EngineMetrics:
             pb_utils.MetricFamily.COUNTER, labels,
         )
         self._busy_published = 0.0
+        self.healthy = _metric(
+            "llm_engine_healthy",
+            "1 while every rank of the instance's engine runs, 0 once one died (reload it)",
+            g, labels,
+        )
         self.preemptions = _metric(
             "llm_num_preemptions_total", "Sequences preempted (recomputed later)",
             pb_utils.MetricFamily.COUNTER, labels,
@@ -109,7 +114,7 @@ class EngineMetrics:
         a finalized stub's series on the metrics port, so they must not show a stale load."""
         with self._publish_lock:
             for gauge in (self.blocks_used, self.blocks_total, self.usage, self.running,
-                          self.waiting):
+                          self.waiting, self.healthy):
                 gauge.set(0)
             for state, seen in self._priorities_seen.items():
                 for priority in seen:
@@ -131,6 +136,7 @@ class EngineMetrics:
         self.usage.set(stats.kv_blocks_used / stats.kv_blocks_total)
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
+        self.healthy.set(int(stats.ranks_alive == stats.ranks_total))
         for state, counts in (("running", stats.running_by_priority),
                               ("waiting", stats.waiting_by_priority)):
             seen = self._priorities_seen[state]

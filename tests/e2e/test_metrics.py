@@ -14,13 +14,15 @@ def test_metrics_present_and_moving(server: Server) -> None:
     before = server.metrics()
     for name in ("llm_kv_cache_blocks_used", "llm_kv_cache_blocks_total",
                  "llm_kv_cache_usage_ratio", "llm_num_requests_running",
-                 "llm_num_requests_waiting", "llm_num_preemptions_total"):
+                 "llm_num_requests_waiting", "llm_num_preemptions_total",
+                 "llm_engine_healthy"):
         labels = {dict(k)["instance"] for k in before[name]}
         # Every group; an instance removed by a resize (tests/e2e/test_autoscaler.py) keeps
         # its series in Triton 2.51, zeroed (EngineMetrics.retire).
         assert labels >= {"worker_0_0", "prefill_0_0", "decode_0_0"}, name
         assert {dict(k)["model"] for k in before[name]} == {"worker", "prefill", "decode"}
     assert metric_sum(before, "llm_kv_cache_blocks_total", instance="worker_0_0") == 1024
+    assert metric_sum(before, "llm_engine_healthy", instance="worker_0_0") == 1
     assert metric_sum(before, "llm_kv_cache_blocks_total", instance="prefill_0_0") == 512
     result = server.client.stream_collect("Count to ten:", max_tokens=12, end_id=-1,
                                           route="aggregated")

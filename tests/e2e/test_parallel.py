@@ -81,29 +81,41 @@ def test_smollm2_split_matches_hf(server: Server, reference: Reference, layout: 
     assert as_list(out["output_ids"]) == reference.outputs[PROMPTS[0]]
 
 
-@pytest.fixture(scope="module")
-def tp2_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
-    """SmolLM2 has 3 KV heads, so TP=2 is served on a random-weight Llama with SmolLM2's
-    vocabulary and tokenizer (the ensemble's preprocessing tokenizes for every model)."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+def random_model(kind: str, out: Path, layout: ParallelLayout) -> Any:
+    """SmolLM2 has 3 KV heads and dense MLPs, so TP=2 and EP=2 are served on random-weight
+    models with SmolLM2's vocabulary and tokenizer (the ensemble's preprocessing tokenizes for
+    every model): a Llama and a Mixtral."""
+    from transformers import (
+        AutoTokenizer,
+        LlamaConfig,
+        LlamaForCausalLM,
+        MixtralConfig,
+        MixtralForCausalLM,
+    )
 
     torch.manual_seed(31)
-    hf = LlamaForCausalLM(LlamaConfig(
+    shape: dict[str, Any] = dict(
         vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-        initializer_range=0.3, tie_word_embeddings=True)).eval()
-    out = tmp_path_factory.mktemp("tp2") / "engine"
+        initializer_range=0.3, tie_word_embeddings=True)
+    if kind == "mixtral":
+        hf = MixtralForCausalLM(MixtralConfig(**shape, num_local_experts=4, num_experts_per_tok=2,
+                                              sliding_window=None)).eval()
+    else:
+        hf = LlamaForCausalLM(LlamaConfig(**shape)).eval()
     limits = EngineConfig.load(ENGINE_DIR).limits
     write_engine(hf, AutoTokenizer.from_pretrained(str(ENGINE_DIR)), out, limits, "float32",
-                 "random", log=lambda _m: None, parallel=ParallelLayout(tp=2))
-    return out, hf
+                 "random", log=lambda _m: None, parallel=layout)
+    return hf
 
 
-def test_tp2_matches_hf(server: Server, reference: Reference,
-                        tp2_model: tuple[Path, Any]) -> None:
-    engine, hf = tp2_model
+@pytest.mark.parametrize("kind,layout", [("llama", ParallelLayout(tp=2)),
+                                         ("mixtral", ParallelLayout(ep=2))], ids=["tp2", "ep2"])
+def test_random_model_split_matches_hf(server: Server, reference: Reference, tmp_path: Path,
+                                       kind: str, layout: ParallelLayout) -> None:
+    hf = random_model(kind, tmp_path / "engine", layout)
     n = 16
-    with worker_serving(server, engine):
+    with worker_serving(server, tmp_path / "engine"):
         expect_ranks(1)
         for prompt in PROMPTS[:4]:
             ids = reference.tokenizer(prompt)["input_ids"]
@@ -111,4 +123,35 @@ def test_tp2_matches_hf(server: Server, reference: Reference,
                                do_sample=False, pad_token_id=0)[0, len(ids):].tolist()
             out = server.client.generate(prompt, max_tokens=n, end_id=-1, route="aggregated")
             assert as_list(out["output_ids"]) == want, prompt
+        if kind == "llama":
+            dead_rank_fails_clearly(server)
     expect_ranks(0)
+
+
+def dead_rank_fails_clearly(server: Server) -> None:
+    """A rank killed under the served engine: requests fail fast naming it, the instance's
+    health gauge drops to 0, and the server stays up (the reload restores the worker)."""
+    import signal
+    import time
+
+    from python_backends.client import metric_sum
+
+    def healthy() -> float:
+        return metric_sum(server.metrics(), "llm_engine_healthy", instance="worker_0_0")
+
+    assert healthy() == 1
+    (pid,) = rank_pids()
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while healthy() != 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert healthy() == 0
+    with pytest.raises(Exception, match=r"engine rank 1 \(pid \d+\) exited with status -9"):
+        server.client.generate(PROMPTS[0], max_tokens=4, route="aggregated")
+    assert requests_ok(server)
+
+
+def requests_ok(server: Server) -> bool:
+    import requests
+
+    return requests.get(f"{server.options.http_url}/v2/health/live", timeout=5).status_code == 200

@@ -108,8 +108,10 @@ def test_dead_rank_fails_the_step_clearly(tmp_path: Path) -> None:
     try:
         group = engine.runner.group
         assert group is not None
+        assert (engine.stats().ranks_alive, engine.stats().ranks_total) == (2, 2)
         group.procs[1].kill()
         group.procs[1].wait()
+        assert (engine.stats().ranks_alive, engine.stats().ranks_total) == (1, 2)
         engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=4))
         with pytest.raises(RankFailure, match=r"engine rank 1 \(pid \d+\) exited with status -9"):
             engine.step()
