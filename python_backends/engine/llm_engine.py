@@ -79,18 +79,27 @@ class LLMEngine:
         enable_chunked_prefill: bool = True, waiting: WaitingQueue | None = None,
         kv_pool: torch.Tensor | None = None, group: RankGroup | None = None,
     ) -> None:
-        """`kv_pool`: a tensor of `kv_layout(config, num_kv_blocks).shape` (shared memory for
-        a KV transport), else one is allocated. `group`: ranks 1..N-1 of a multi-rank engine
-        (this process is rank 0 and `model` holds its shards); closed by `close`."""
+        """`kv_pool`: the pool KV transports see, a tensor of `self.kv_layout.shape` (shared
+        memory for host_shm), else one is allocated when first used. `group`: ranks 1..N-1 of a
+        multi-rank engine (this process is rank 0 and `model` holds its shards); closed by
+        `close`.
+
+        The pool transports see always has the whole model's layout (every layer, every KV
+        head), so engines with different TP/PP layouts can hand KV to each other. A single-rank
+        engine computes in it directly; a multi-rank one computes in per-rank slices and copies
+        a handed-off sequence's blocks into it (gathered from the ranks) when its prefill ends,
+        and out of it (scattered to the ranks) when a handoff arrives."""
         self.config = config
-        self.kv_layout = kv_layout(config, num_kv_blocks)
-        if kv_pool is None:
-            kv_pool = allocate_pool(self.kv_layout)
-        elif kv_pool.shape != self.kv_layout.shape:
+        self.kv_layout = kv_layout(config, num_kv_blocks, whole=True)
+        if kv_pool is not None and kv_pool.shape != self.kv_layout.shape:
             raise ValueError(f"KV pool shape {tuple(kv_pool.shape)} != {self.kv_layout.shape}")
+        self._handoff_pool = kv_pool
+        work_pool = kv_pool if group is None else None
+        if work_pool is None:
+            work_pool = allocate_pool(kv_layout(config, num_kv_blocks))
         self.blocks = BlockManager(num_kv_blocks, config.limits.block_size)
         self.scheduler = Scheduler(config.limits, self.blocks, enable_chunked_prefill, waiting)
-        self.runner = ModelRunner(model, kv_pool, config.limits.block_size, group)
+        self.runner = ModelRunner(model, work_pool, config.limits.block_size, group)
         self._handoffs: deque[_Handoff] = deque()
         self.busy_seconds = 0.0
         # Called after a step's handoffs were pulled (a KV sink sends their releases).
@@ -111,7 +120,8 @@ class LLMEngine:
             model = load_model(engine_dir, config, group.ctx if group else None)
             if group is not None:
                 group.wait_ready()
-            pool = kv_pool(kv_layout(config, num_kv_blocks)) if kv_pool is not None else None
+            whole = kv_layout(config, num_kv_blocks, whole=True)
+            pool = kv_pool(whole) if kv_pool is not None else None
             return cls(config, model, num_kv_blocks, enable_chunked_prefill, waiting, pool, group)
         except BaseException:
             if group is not None:
@@ -125,7 +135,12 @@ class LLMEngine:
 
     @property
     def kv_pool(self) -> torch.Tensor:
-        return self.runner.kv_pool
+        """The pool KV transports read from and write into (see __init__)."""
+        if self.runner.group is None:
+            return self.runner.kv_pool
+        if self._handoff_pool is None:
+            self._handoff_pool = allocate_pool(self.kv_layout)
+        return self._handoff_pool
 
     def add_request(
         self, seq_id: str, prompt_ids: list[int], params: SamplingParams,
@@ -171,6 +186,8 @@ class LLMEngine:
             admitted = True
             blocks = self.blocks.allocate(need) if self.blocks.can_allocate(need) else None
             if blocks is not None and h.fetch(blocks):
+                if self.runner.group is not None:  # scatter the whole-model KV to the ranks
+                    self.runner.group.import_kv(self.runner.kv_pool, self.kv_pool, blocks)
                 h.seq.block_table = blocks
                 h.seq.num_computed_tokens = h.num_kv_tokens
             elif blocks is not None:
@@ -213,7 +230,12 @@ class LLMEngine:
         logits, sampling = self.runner.run(out)
         result = sample(sampling, logits) if sampling else SampleResult([], None)
         seqs = self.scheduler.update(out, result)
-        return [self._event(s) for s in seqs]
+        events = [self._event(s) for s in seqs]
+        if self.runner.group is not None:
+            handed = [b for e in events if e.kv_blocks for b in e.kv_blocks]
+            if handed:  # gather their KV from the ranks into the pool transports read
+                self.runner.group.export_kv(self.runner.kv_pool, self.kv_pool, handed)
+        return events
 
     @staticmethod
     def _event(s: Sequence) -> TokenEvent:
@@ -257,11 +279,15 @@ class LLMEngine:
 
 
 
-def kv_layout(config: EngineConfig, num_kv_blocks: int, rank: int = 0) -> KVLayout:
-    """The KV pool of rank `rank`: its stage's layers and its tensor-parallel share of heads."""
+def kv_layout(config: EngineConfig, num_kv_blocks: int, rank: int = 0,
+              whole: bool = False) -> KVLayout:
+    """The KV pool of rank `rank`: its stage's layers and its tensor-parallel share of heads;
+    `whole`: every layer and head (what KV transports move, whatever the layout)."""
     ctx, m = ParallelContext(config.parallel, rank), config.model
+    if whole:
+        ctx = ParallelContext()
     return KVLayout(
-        num_layers=len(config.parallel.stage_layers(m.num_layers, ctx.pp_rank)),
+        num_layers=len(ctx.layout.stage_layers(m.num_layers, ctx.pp_rank)),
         num_kv_heads=m.num_kv_heads // ctx.tp_size, head_dim=m.head_dim,
         block_size=config.limits.block_size, dtype=config.dtype, num_blocks=num_kv_blocks,
         tp_rank=ctx.tp_rank, tp_size=ctx.tp_size)

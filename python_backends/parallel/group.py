@@ -175,6 +175,24 @@ class RankGroup:
             self.check()
             raise RankFailure(f"engine rank group failed mid-step: {e}") from e
 
+    def export_kv(self, pool: torch.Tensor, whole: torch.Tensor, blocks: list[int]) -> None:
+        """Gather `blocks` from every rank's KV slice into `whole` (rank 0's whole-model pool)."""
+        self._collective("export_kv", blocks, pool, whole)
+
+    def import_kv(self, pool: torch.Tensor, whole: torch.Tensor, blocks: list[int]) -> None:
+        """Scatter `blocks` of `whole` to every rank's KV slice."""
+        self._collective("import_kv", blocks, pool, whole)
+
+    def _collective(self, kind: str, blocks: list[int], pool: torch.Tensor,
+                    whole: torch.Tensor) -> None:
+        self.check()
+        try:
+            dist.broadcast_object_list([(kind, blocks)], src=0)
+            exchange_kv(self.ctx, self.config, pool, blocks, kind, whole)
+        except RuntimeError as e:
+            self.check()
+            raise RankFailure(f"engine rank group failed moving KV: {e}") from e
+
     def close(self, timeout_s: float = 10.0) -> None:
         if not self.procs:
             return
@@ -201,6 +219,51 @@ class RankGroup:
     def _exit_codes(self) -> str:
         return ", ".join(f"rank {r}: {'running' if p.poll() is None else f'exit {p.poll()}'}"
                          for r, p in self.procs.items())
+
+
+def exchange_kv(ctx: ParallelContext, config: EngineConfig, pool: torch.Tensor,
+                blocks: list[int], kind: str, whole: torch.Tensor | None = None) -> None:
+    """Move the KV of `blocks` between each rank's slice `pool` ([layers of its stage, 2, slots,
+    its KV heads, D]) and rank 0's whole-model pool `whole` (every layer and head), point to
+    point. export_kv: from the ranks into `whole` (one holder per distinct slice: ranks that
+    replicate attention hold the same KV); import_kv: from `whole` to every rank."""
+    bs = config.limits.block_size
+    slots = (torch.tensor(blocks).unsqueeze(1) * bs + torch.arange(bs)).reshape(-1)
+    layout = config.parallel
+    heads = config.model.num_kv_heads // layout.tp
+    if ctx.rank != 0:
+        if kind == "import_kv":
+            part = pool.new_empty(pool.shape[0], 2, len(slots), *pool.shape[3:])
+            with timed("send_recv"):
+                dist.recv(part, src=0)
+            pool.index_copy_(2, slots, part)
+        elif ctx.local_rank < layout.tp:
+            with timed("send_recv"):
+                dist.send(pool.index_select(2, slots), dst=0)
+        return
+    assert whole is not None
+    for rank in range(layout.world_size):
+        peer = ParallelContext(layout, rank)
+        if kind == "export_kv" and peer.local_rank >= layout.tp:
+            continue
+        layers = layout.stage_layers(config.model.num_layers, peer.pp_rank)
+        h0 = peer.tp_rank * heads
+        region = whole[layers.start:layers.stop, :, :, h0:h0 + heads]  # a view into `whole`
+        if kind == "export_kv":
+            if rank == 0:
+                part = pool.index_select(2, slots)
+            else:
+                part = whole.new_empty(len(layers), 2, len(slots), heads, whole.shape[-1])
+                with timed("send_recv"):
+                    dist.recv(part, src=rank)
+            region.index_copy_(2, slots, part)
+        else:
+            part = region.index_select(2, slots)
+            if rank == 0:
+                pool.index_copy_(2, slots, part)
+            else:
+                with timed("send_recv"):
+                    dist.send(part.contiguous(), dst=rank)
 
 
 def _python() -> str:
@@ -250,7 +313,10 @@ def rank_main(argv: list[str] | None = None) -> int:
         if kind == "stop":
             break
         with torch.inference_mode():
-            run_stage(model, ctx, payload, DTYPES[config.dtype])
+            if kind == "step":
+                run_stage(model, ctx, payload, DTYPES[config.dtype])
+            else:
+                exchange_kv(ctx, config, pool, payload, kind)
     dist.destroy_process_group()
     return 0
 

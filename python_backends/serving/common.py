@@ -15,7 +15,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from python_backends.cancel_board import BoardCache, CancelBoard
-from python_backends.config import DEFAULT_ENGINE_DIR, ENGINE_DIR_ENV, ParallelLayout
+from python_backends.config import DEFAULT_ENGINE_DIR, ENGINE_DIR_ENV
 
 
 class ModelArgs:
@@ -130,12 +130,3 @@ class Outbox:
             except Exception:  # a client that went away must not stop the others' responses
                 log.exception("sending a response failed")
 
-
-def check_handoff_layout(model_name: str, layout: ParallelLayout, transports: list[str]) -> None:
-    """KV handoff moves rank 0's pool: refuse it for an engine split over several ranks
-    (its KV lives in every rank's slice) instead of handing over part of it."""
-    if transports and layout.world_size > 1:
-        raise pb_utils.TritonModelException(
-            f"{model_name}: kv_transports {','.join(transports)} needs a single-rank engine; "
-            f"this engine is tp={layout.tp} pp={layout.pp} (set kv_transports to \"\" to serve "
-            "it without KV handoff)")

@@ -23,7 +23,6 @@ from python_backends.serving.common import (
     ModelArgs,
     Outbox,
     bytes_tensor,
-    check_handoff_layout,
     error_response,
     first_bytes,
     inputs_of,
@@ -61,11 +60,6 @@ class PrefillModel:
             margs.engine_dir(), num_kv_blocks=margs.int_param("kv_cache_blocks", 512),
             kv_pool=pool,
         )
-        try:
-            check_handoff_layout(margs.model_name, engine.config.parallel, transports)
-        except pb_utils.TritonModelException:
-            engine.close()
-            raise
         try:
             sources = make_sources(transports, engine.kv_pool, margs.model_name,
                                    self._shared.name if self._shared else None)

@@ -33,7 +33,6 @@ from python_backends.serving.common import (
     ShuttingDown,
     bytes_tensor,
     cancel_target,
-    check_handoff_layout,
     error_response,
     first,
     first_bytes,
@@ -90,11 +89,6 @@ class WorkerModel:
         self._pending: dict[str, _Pending] = {}
         self._boards = BoardCache()
         transports = kv_transports(margs)
-        try:
-            check_handoff_layout(margs.model_name, engine.config.parallel, transports)
-        except pb_utils.TritonModelException:
-            engine.close()
-            raise
         self.kv_metrics = KVTransferMetrics(margs.model_name, margs.instance_name, transports)
         try:
             self._sinks = make_sinks(transports, engine.kv_layout, engine.kv_pool,

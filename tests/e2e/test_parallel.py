@@ -38,17 +38,23 @@ def rank_pids() -> set[int]:
 
 
 @contextmanager
-def worker_serving(server: Server, engine_dir: Path) -> Iterator[None]:
-    """The `worker` model reloaded onto `engine_dir`, restored afterwards."""
+def serving(server: Server, engines: dict[str, Path]) -> Iterator[None]:
+    """Models (worker, prefill, decode) reloaded onto engine directories, restored after."""
     repo = TritonRepository(server.options.http_url)
-    original = repo.config("worker")
-    config = copy.deepcopy(original)
-    config.setdefault("parameters", {})["engine_dir"] = {"string_value": str(engine_dir)}
-    repo.load("worker", config, f"on {engine_dir}")
+    originals = {model: repo.config(model) for model in engines}
     try:
+        for model, engine_dir in engines.items():
+            config = copy.deepcopy(originals[model])
+            config.setdefault("parameters", {})["engine_dir"] = {"string_value": str(engine_dir)}
+            repo.load(model, config, f"on {engine_dir}")
         yield
     finally:
-        repo.load("worker", original, "back on its own engine")
+        for model, original in originals.items():
+            repo.load(model, original, "back on its own engine")
+
+
+def worker_serving(server: Server, engine_dir: Path) -> Any:
+    return serving(server, {"worker": engine_dir})
 
 
 def expect_ranks(n: int, timeout_s: float = 30.0) -> set[int]:
@@ -155,3 +161,36 @@ def requests_ok(server: Server) -> bool:
     import requests
 
     return requests.get(f"{server.options.http_url}/v2/health/live", timeout=5).status_code == 200
+
+
+@pytest.mark.parametrize("prefill_tp,decode_tp,transport", [(2, 1, "nixl"), (1, 2, "host_shm")],
+                         ids=["prefill-tp2-decode-tp1", "prefill-tp1-decode-tp2"])
+def test_disaggregated_across_layouts_matches_hf(
+    server: Server, reference: Reference, tmp_path: Path, prefill_tp: int, decode_tp: int,
+    transport: str,
+) -> None:
+    """Prefill and decode groups on different TP layouts of one model: the KV handle carries
+    the whole-model layout, the multi-rank side gathers or scatters heads across its ranks."""
+    from python_backends.client import metric_sum
+
+    hf = random_model("llama", tmp_path / "tp2", ParallelLayout(tp=2))
+    random_model("llama", tmp_path / "tp1", ParallelLayout())
+    n = 12
+    engines = {"prefill": tmp_path / f"tp{prefill_tp}", "decode": tmp_path / f"tp{decode_tp}"}
+    with serving(server, engines):
+        expect_ranks(1)
+        before = server.metrics()
+        for prompt in PROMPTS[:4]:
+            ids = reference.tokenizer(prompt)["input_ids"]
+            want = hf.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n,
+                               do_sample=False, pad_token_id=0)[0, len(ids):].tolist()
+            out = server.client.generate(prompt, max_tokens=n, end_id=-1,
+                                         route="disaggregated", kv_transport=transport)
+            assert as_list(out["output_ids"]) == want, prompt
+        after = server.metrics()
+        computed = "llm_prompt_tokens_computed_total"
+        assert metric_sum(after, computed, model="decode") == metric_sum(before, computed,
+                                                                         model="decode")
+        fallbacks = "llm_kv_transfer_fallbacks_total"
+        assert metric_sum(after, fallbacks) == metric_sum(before, fallbacks)
+    expect_ranks(0)
