@@ -1,0 +1,212 @@
+#!/usr/bin/env python3
+"""Scheduling policies measured through a running Triton server, in one run.
+
+Starts a server (explicit model control) and, for each measurement, reloads the `worker` model
+onto a variant of the engine (same weights, hard-linked; only the serving limits differ):
+
+1. Priority: TTFT of a priority-9 request (128-token prompt) with the worker's batch full of
+   priority-0 streams and more queued, against its TTFT on the idle server (batch of 8).
+2. Chunked prefill: inter-token gaps (TPOT) of 4 running streams while 3 prompts of
+   --long-prompt tokens arrive, with chunked prefill (a --chunk-budget token step budget) and
+   without (each prompt in one step).
+3. Fairness: tenants A and B both backlogged, A keeping 10x more requests in flight than B
+   (60 and 6, the batch holds 8);
+   each tenant's share of the tokens generated while both are backlogged, with equal weights
+   and with weights 3:1 (the worker's `tenant_weights`).
+
+    python scripts/bench_scheduling_server.py [--engine engines/smollm2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import itertools
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from python_backends.autoscaler import TritonRepository
+from python_backends.client import LLMClient, percentile
+from python_backends.config import DEFAULT_ENGINE_DIR, EngineConfig
+from python_backends.launcher import ServerOptions, TritonServer, free_port
+
+WORD = " hello"  # one token per repetition in SmolLM2's tokenizer
+
+
+def variant(engine: Path, out: Path, **limits: int) -> Path:
+    """`engine` with other serving limits; the weight files are hard links, not copies."""
+    config = EngineConfig.load(engine)
+    shutil.copytree(engine, out, copy_function=os.link)
+    (out / "config.json").unlink()
+    dataclasses.replace(config, limits=dataclasses.replace(config.limits, **limits)).save(out)
+    return out
+
+
+@contextmanager
+def worker_on(repo: TritonRepository, engine: Path, **params: str) -> Iterator[None]:
+    original = repo.config("worker")
+    config = copy.deepcopy(original)
+    config.setdefault("parameters", {})["engine_dir"] = {"string_value": str(engine)}
+    for key, value in params.items():
+        config["parameters"][key] = {"string_value": value}
+    repo.load("worker", config, f"on {engine.name}")
+    try:
+        yield
+    finally:
+        repo.load("worker", original, "back")
+
+
+class Streams:
+    """Background streaming requests; records each token's arrival time per request."""
+
+    def __init__(self, client: LLMClient) -> None:
+        self.client = client
+        self.stop = threading.Event()
+        self.times: dict[str, list[float]] = {}
+        self.pool = ThreadPoolExecutor(max_workers=128)
+
+    def start(self, name: str, prompt: str, max_tokens: int, **params: Any) -> None:
+        self.times[name] = []
+        self.pool.submit(self._run, name, prompt, max_tokens, params)
+
+    def _run(self, name: str, prompt: str, max_tokens: int, params: dict[str, Any]) -> None:
+        try:
+            for _ in self.client.stream(prompt, max_tokens=max_tokens, end_id=-1, **params):
+                self.times[name].append(time.monotonic())
+                if self.stop.is_set():
+                    return  # closing the stream cancels the request
+        except Exception as e:
+            print(f"[sched] {name}: {e}", flush=True)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.pool.shutdown(wait=True)
+
+
+def ttft(client: LLMClient, prompt: str, **params: Any) -> float:
+    t0 = time.monotonic()
+    for _ in client.stream(prompt, max_tokens=2, end_id=-1, **params):
+        return time.monotonic() - t0
+    raise RuntimeError("no token")
+
+
+def priority(client: LLMClient, repo: TritonRepository, engine: Path) -> tuple[float, float]:
+    with worker_on(repo, engine):
+        idle = min(ttft(client, WORD * 128, priority=9) for _ in range(3))
+        streams = Streams(client)
+        for i in range(16):  # 8 fill the batch, 8 more wait behind them
+            streams.start(f"low{i}", WORD * 64 + f" {i}", 400, priority=0)
+        time.sleep(3.0)
+        busy = ttft(client, WORD * 128, priority=9)
+        streams.close()
+    return idle, busy
+
+
+def chunking(client: LLMClient, repo: TritonRepository, engine: Path, long_prompt: int,
+             chunked: bool) -> list[float]:
+    with worker_on(repo, engine, enable_chunked_prefill=str(chunked).lower()):
+        streams = Streams(client)
+        for i in range(4):
+            streams.start(f"d{i}", WORD * 32 + f" {i}", 2000)
+        while not all(len(streams.times[f"d{i}"]) >= 3 for i in range(4)):
+            time.sleep(0.05)
+        start = time.monotonic()
+        with ThreadPoolExecutor(3) as pool:
+            for k in range(3):
+                pool.submit(client.generate, WORD * long_prompt + f" {k}", max_tokens=1)
+                time.sleep(0.3)
+        end = time.monotonic()
+        streams.close()
+    gaps = []
+    for i in range(4):
+        times = [t for t in streams.times[f"d{i}"] if start <= t <= end + 0.5]
+        gaps += [b - a for a, b in itertools.pairwise(times)]
+    return gaps
+
+
+def fairness(client: LLMClient, repo: TritonRepository, engine: Path,
+             weights: str) -> tuple[float, float]:
+    """Token shares of A (60 requests in flight) and B (6) while both are backlogged (the
+    batch holds 8, so both always have requests waiting)."""
+    with worker_on(repo, engine, tenant_weights=weights):
+        streams = Streams(client)
+        for i in range(60):
+            streams.start(f"A{i}", WORD * 16 + f" a{i}", 24, tenant="A")
+            if i % 10 == 0:
+                streams.start(f"B{i}", WORD * 16 + f" b{i}", 24, tenant="B")
+        # keep both tenants backlogged: refill as requests finish
+        deadline = time.monotonic() + 40
+        n = 60
+        window_start = time.monotonic() + 8  # after the first batch settles
+        while time.monotonic() < deadline:
+            time.sleep(0.5)
+            for tenant, want in (("A", 60), ("B", 6)):
+                live = sum(1 for k, ts in streams.times.items()
+                           if k.startswith(tenant) and len(ts) < 24)
+                for _ in range(want - live):
+                    n += 1
+                    streams.start(f"{tenant}{n}", WORD * 16 + f" {tenant}{n}", 24, tenant=tenant)
+        window_end = time.monotonic()
+        streams.close()
+    counts = {t: sum(1 for k, ts in streams.times.items() if k.startswith(t)
+                     for x in ts if window_start <= x <= window_end) for t in "AB"}
+    total = counts["A"] + counts["B"]
+    return counts["A"] / total, counts["B"] / total
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--engine", type=Path, default=DEFAULT_ENGINE_DIR)
+    ap.add_argument("--long-prompt", type=int, default=2048)
+    ap.add_argument("--chunk-budget", type=int, default=256)
+    args = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        small_batch = variant(args.engine, root / "batch8", max_num_seqs=8)
+        chunked = variant(args.engine, root / "chunked", max_seq_len=args.long_prompt + 256,
+                          max_num_batched_tokens=args.chunk_budget)
+        whole = variant(args.engine, root / "whole", max_seq_len=args.long_prompt + 256,
+                        max_num_batched_tokens=args.long_prompt + 256)
+        opts = ServerOptions(http_port=free_port(), grpc_port=free_port(),
+                             metrics_port=free_port(), engine_dir=args.engine,
+                             log_file=root / "triton.log", model_control="explicit")
+        with TritonServer(opts) as server:
+            server.wait_ready(progress=True)
+            client = LLMClient(opts.http_url)
+            repo = TritonRepository(opts.http_url)
+
+            print("[sched] priority: TTFT of a priority-9 request (128-token prompt)", flush=True)
+            idle, busy = priority(client, repo, small_batch)
+            print(f"  idle server                   {idle * 1e3:8.1f} ms")
+            print(f"  batch full of priority 0      {busy * 1e3:8.1f} ms   "
+                  f"({busy / idle:.2f}x idle)")
+
+            print(f"[sched] chunked prefill: 4 streams while 3 prompts of {args.long_prompt} "
+                  "tokens arrive", flush=True)
+            off = chunking(client, repo, whole, args.long_prompt, chunked=False)
+            on = chunking(client, repo, chunked, args.long_prompt, chunked=True)
+            p95_off, p95_on = percentile(off, 0.95) * 1e3, percentile(on, 0.95) * 1e3
+            print(f"  TPOT p95 without chunking     {p95_off:8.1f} ms")
+            print(f"  TPOT p95 with {args.chunk_budget}-token chunks  {p95_on:8.1f} ms   "
+                  f"({p95_off / p95_on:.2f}x better)")
+
+            print("[sched] fairness: A keeps 10x more requests in flight than B", flush=True)
+            for weights, want in (("{}", 0.5), ('{"A": 3, "B": 1}', 0.75)):
+                a, b = fairness(client, repo, small_batch, weights)
+                print(f"  weights {weights:<18} A {a:.2f}  B {b:.2f}   (fair A share {want:.2f}, "
+                      f"off by {abs(a - want) / want:.0%})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
