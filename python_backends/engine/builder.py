@@ -139,12 +139,7 @@ def write_engine(
         parallel=parallel or ParallelLayout(),
         source=source,
     )  # refuses a layout the model cannot take
-    if out_dir.exists():
-        if not force:
-            raise EngineConfigError(f"{out_dir} exists; pass --force to overwrite it")
-        shutil.rmtree(out_dir)
-    tmp = out_dir.with_name(out_dir.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = _partial_dir(out_dir, force)
     tmp.mkdir(parents=True)
     state = {
         name: t.detach().to(DTYPES[dtype]).contiguous()
@@ -152,17 +147,36 @@ def write_engine(
         if not (model_cfg.tie_word_embeddings and name == "lm_head.weight")
     }
     log(f"{len(state)} tensors, {sum(t.numel() for t in state.values()) / 1e6:.1f} M parameters "
-        f"({dtype}), layout tp={config.parallel.tp} pp={config.parallel.pp}")
+        f"({dtype}), layout tp={config.parallel.tp} pp={config.parallel.pp} "
+        f"ep={config.parallel.ep}")
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(tmp))
+    _write_ranks(tmp, out_dir, config, state, log)
+    return config
+
+
+def _partial_dir(out_dir: Path, force: bool) -> Path:
+    """Where an engine is written before it is renamed into place (it appears complete or not
+    at all); an existing `out_dir` is refused unless `force`."""
+    if out_dir.exists():
+        if not force:
+            raise EngineConfigError(f"{out_dir} exists; pass --force to overwrite it")
+        shutil.rmtree(out_dir)
+    tmp = out_dir.with_name(out_dir.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    return tmp
+
+
+def _write_ranks(tmp: Path, out_dir: Path, config: EngineConfig,
+                 state: dict[str, torch.Tensor], log: Callable[[str], None]) -> None:
+    """One weight file per rank with its shards of `state`, the config, then the rename."""
     for rank, filename in enumerate(config.weight_files()):
-        shard = shard_state(state, model_cfg, config.parallel, rank)
+        shard = shard_state(state, config.model, config.parallel, rank)
         log(f"writing {filename}: {len(shard)} tensors, "
             f"{sum(t.numel() for t in shard.values()) / 1e6:.1f} M parameters")
         save_file(shard, str(tmp / filename))
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(tmp))
     config.save(tmp)
-    tmp.rename(out_dir)  # the engine appears complete or not at all
-    return config
+    tmp.rename(out_dir)
 
 
 def is_engine_dir(path: Path) -> bool:
@@ -180,22 +194,11 @@ def reshard_engine(
         raise EngineConfigError(f"{source} is split over {config.parallel.world_size} ranks; "
                                 "reshard from a single-rank engine")
     parallel.check(config.model)
-    if out_dir.exists():
-        if not force:
-            raise EngineConfigError(f"{out_dir} exists; pass --force to overwrite it")
-        shutil.rmtree(out_dir)
-    tmp = out_dir.with_name(out_dir.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = _partial_dir(out_dir, force)
     shutil.copytree(source, tmp, ignore=shutil.ignore_patterns("*.safetensors", "config.json"))
     state = load_file(str(source / config.weight_files()[0]))
     config = dataclasses.replace(config, parallel=parallel)
-    for rank, filename in enumerate(config.weight_files()):
-        shard = shard_state(state, config.model, parallel, rank)
-        log(f"writing {filename}: {len(shard)} tensors, "
-            f"{sum(t.numel() for t in shard.values()) / 1e6:.1f} M parameters")
-        save_file(shard, str(tmp / filename))
-    config.save(tmp)
-    tmp.rename(out_dir)
+    _write_ranks(tmp, out_dir, config, state, log)
     return config
 
 
