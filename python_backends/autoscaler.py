@@ -164,17 +164,29 @@ class TritonRepository:
     """Instance counts through Triton's model-repository API (the server must run with
     `--model-control-mode=explicit`, which `scripts/serve.sh --model-control explicit` sets).
     Loading a model with a new config only adds or removes instances: the others keep serving,
-    and a removed instance finishes its requests before it goes."""
+    and a removed instance finishes its requests before it goes.
 
-    def __init__(self, url: str, timeout_s: float = 600.0, api_key: str | None = None) -> None:
-        """`api_key`: for a server started with --api-key (the repository API is protected)."""
+    Loads go over gRPC: in Triton 2.51 a load through the HTTP API holds an HTTP server thread
+    for the whole load, and server-sent-event streams (`generate_stream`) served by that thread
+    lose the responses produced meanwhile (their final event still arrives, so the output is
+    silently cut short). Reads (config, index) stay on HTTP."""
+
+    def __init__(self, url: str, grpc_url: str | None = None, timeout_s: float = 600.0,
+                 api_key: str | None = None) -> None:
+        """`grpc_url`: host:port of Triton's gRPC endpoint (default: the HTTP host, port 8001).
+        `api_key`: for a server started with --api-key (the repository API is protected)."""
+        from urllib.parse import urlparse
+
         self.url = url.rstrip("/")
+        self.grpc_url = grpc_url or f"{urlparse(self.url).hostname}:8001"
         self.timeout_s = timeout_s
         self.session = requests.Session()
+        self._grpc_headers: dict[str, str] = {}
         if api_key:
-            from python_backends.launcher import API_KEY_HEADER
+            from python_backends.launcher import API_KEY_HEADER, GRPC_API_KEY_HEADER
 
             self.session.headers[API_KEY_HEADER] = api_key
+            self._grpc_headers[GRPC_API_KEY_HEADER] = api_key
 
     def config(self, model: str) -> dict[str, Any]:
         r = self.session.get(f"{self.url}/v2/models/{model}/config", timeout=30)
@@ -204,13 +216,17 @@ class TritonRepository:
     def load(self, model: str, config: dict[str, Any], what: str = "") -> None:
         """(Re)load `model` with `config` (Triton's JSON form of config.pbtxt); the running
         version serves until the new one is ready."""
-        r = self.session.post(
-            f"{self.url}/v2/repository/models/{model}/load",
-            data=json.dumps({"parameters": {"config": json.dumps(config)}}),
-            timeout=self.timeout_s,
-        )
-        if r.status_code != 200:
-            raise RuntimeError(f"loading {model} {what} failed: {r.text}")
+        import tritonclient.grpc as grpcclient
+        from tritonclient.utils import InferenceServerException
+
+        client = grpcclient.InferenceServerClient(self.grpc_url)
+        try:
+            client.load_model(model, headers=self._grpc_headers, config=json.dumps(config),
+                              client_timeout=self.timeout_s)
+        except InferenceServerException as e:
+            raise RuntimeError(f"loading {model} {what} failed: {e.message()}") from None
+        finally:
+            client.close()
 
     def served_groups(self) -> list[str]:
         r = self.session.post(f"{self.url}/v2/repository/index", data="{}", timeout=30)

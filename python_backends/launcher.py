@@ -96,6 +96,10 @@ class ServerOptions:
         return f"http://{self.host}:{self.http_port}"
 
     @property
+    def grpc_address(self) -> str:
+        return f"{self.host}:{self.grpc_port}"
+
+    @property
     def metrics_url(self) -> str:
         return f"http://{self.host}:{self.metrics_port}/metrics"
 

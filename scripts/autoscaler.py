@@ -45,6 +45,8 @@ def serve_metrics(controller: Controller, host: str, port: int) -> ThreadingHTTP
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--url", default="http://127.0.0.1:8000", help="Triton HTTP endpoint")
+    ap.add_argument("--grpc-url", default="127.0.0.1:8001",
+                    help="Triton gRPC endpoint (models are reloaded through it)")
     ap.add_argument("--metrics-url", default="http://127.0.0.1:8002/metrics")
     ap.add_argument("--api-key", default=os.environ.get("LLM_API_KEY"),
                     help="the server's --api-key, if it has one")
@@ -73,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         min_instances=args.min_instances, max_instances=args.max_instances,
         bounds={g: (int(lo), int(hi)) for g, (lo, hi) in json.loads(args.bounds).items()},
     )
-    repo = TritonRepository(args.url, api_key=args.api_key)
+    repo = TritonRepository(args.url, args.grpc_url, api_key=args.api_key)
     controller = Controller(Autoscaler(policy), repo, args.metrics_url, dry_run=args.dry_run)
     if args.metrics_port:
         serve_metrics(controller, args.metrics_host, args.metrics_port)

@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         with TritonServer(opts) as server:
             server.wait_ready(progress=True)
             client = LLMClient(opts.http_url)
-            repo = TritonRepository(opts.http_url)
+            repo = TritonRepository(opts.http_url, opts.grpc_address)
 
             print("[sched] priority: TTFT of a priority-9 request (128-token prompt)", flush=True)
             idle, busy = priority(client, repo, small_batch)

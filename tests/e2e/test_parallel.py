@@ -40,7 +40,7 @@ def rank_pids() -> set[int]:
 @contextmanager
 def serving(server: Server, engines: dict[str, Path]) -> Iterator[None]:
     """Models (worker, prefill, decode) reloaded onto engine directories, restored after."""
-    repo = TritonRepository(server.options.http_url)
+    repo = TritonRepository(server.options.http_url, server.options.grpc_address)
     originals = {model: repo.config(model) for model in engines}
     try:
         for model, engine_dir in engines.items():
