@@ -122,9 +122,13 @@ def chunking(client: LLMClient, repo: TritonRepository, engine: Path, long_promp
             time.sleep(0.05)
         start = time.monotonic()
         with ThreadPoolExecutor(3) as pool:
+            futures = []
             for k in range(3):
-                pool.submit(client.generate, WORD * long_prompt + f" {k}", max_tokens=1)
+                futures.append(pool.submit(client.generate, WORD * long_prompt + f" {k}",
+                                           max_tokens=1))
                 time.sleep(0.3)
+            for f in futures:
+                assert f.result()["num_input_tokens"] >= long_prompt
         end = time.monotonic()
         streams.close()
     gaps = []
@@ -172,13 +176,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        small_batch = variant(args.engine, root / "batch8", max_num_seqs=8)
-        chunked = variant(args.engine, root / "chunked", max_seq_len=args.long_prompt + 256,
-                          max_num_batched_tokens=args.chunk_budget)
-        whole = variant(args.engine, root / "whole", max_seq_len=args.long_prompt + 256,
-                        max_num_batched_tokens=args.long_prompt + 256)
+        # Every model of the server (preprocessing validates prompt lengths) takes the long prompts.
+        base = variant(args.engine, root / "base", max_seq_len=args.long_prompt + 256)
+        small_batch = variant(base, root / "batch8", max_num_seqs=8)
+        chunked = variant(base, root / "chunked", max_num_batched_tokens=args.chunk_budget)
+        whole = variant(base, root / "whole", max_num_batched_tokens=args.long_prompt + 256)
         opts = ServerOptions(http_port=free_port(), grpc_port=free_port(),
-                             metrics_port=free_port(), engine_dir=args.engine,
+                             metrics_port=free_port(), engine_dir=base,
                              log_file=root / "triton.log", model_control="explicit")
         with TritonServer(opts) as server:
             server.wait_ready(progress=True)
