@@ -10,7 +10,7 @@ onto a variant of the engine (same weights, hard-linked; only the serving limits
    --long-prompt tokens arrive, with chunked prefill (a --chunk-budget token step budget) and
    without (each prompt in one step).
 3. Fairness: tenants A and B both backlogged, A keeping 10x more requests in flight than B
-   (60 and 6, the batch holds 8);
+   (80 and 8, the batch holds 8);
    each tenant's share of the tokens generated while both are backlogged, with equal weights
    and with weights 3:1 (the worker's `tenant_weights`).
 
@@ -76,6 +76,9 @@ class Streams:
         self.pool = ThreadPoolExecutor(max_workers=128)
 
     def start(self, name: str, prompt: str, max_tokens: int, **params: Any) -> None:
+        """Every request goes to the worker (`route` aggregated): the policies measured here
+        are the worker engine's, and long prompts would otherwise go to the prefill group."""
+        params.setdefault("route", "aggregated")
         self.times[name] = []
         self.pool.submit(self._run, name, prompt, max_tokens, params)
 
@@ -95,7 +98,7 @@ class Streams:
 
 def ttft(client: LLMClient, prompt: str, **params: Any) -> float:
     t0 = time.monotonic()
-    for _ in client.stream(prompt, max_tokens=2, end_id=-1, **params):
+    for _ in client.stream(prompt, max_tokens=2, end_id=-1, route="aggregated", **params):
         return time.monotonic() - t0
     raise RuntimeError("no token")
 
@@ -125,7 +128,7 @@ def chunking(client: LLMClient, repo: TritonRepository, engine: Path, long_promp
             futures = []
             for k in range(3):
                 futures.append(pool.submit(client.generate, WORD * long_prompt + f" {k}",
-                                           max_tokens=1))
+                                           max_tokens=1, route="aggregated"))
                 time.sleep(0.3)
             for f in futures:
                 assert f.result()["num_input_tokens"] >= long_prompt
@@ -140,32 +143,31 @@ def chunking(client: LLMClient, repo: TritonRepository, engine: Path, long_promp
 
 def fairness(client: LLMClient, repo: TritonRepository, engine: Path,
              weights: str) -> tuple[float, float]:
-    """Token shares of A (60 requests in flight) and B (6) while both are backlogged (the
-    batch holds 8, so both always have requests waiting)."""
-    with worker_on(repo, engine, tenant_weights=weights):
-        streams = Streams(client)
-        for i in range(60):
-            streams.start(f"A{i}", WORD * 16 + f" a{i}", 24, tenant="A")
-            if i % 10 == 0:
-                streams.start(f"B{i}", WORD * 16 + f" b{i}", 24, tenant="B")
-        # keep both tenants backlogged: refill as requests finish
-        deadline = time.monotonic() + 40
-        n = 60
-        window_start = time.monotonic() + 8  # after the first batch settles
-        while time.monotonic() < deadline:
-            time.sleep(0.5)
-            for tenant, want in (("A", 60), ("B", 6)):
-                live = sum(1 for k, ts in streams.times.items()
-                           if k.startswith(tenant) and len(ts) < 24)
-                for _ in range(want - live):
-                    n += 1
-                    streams.start(f"{tenant}{n}", WORD * 16 + f" {tenant}{n}", 24, tenant=tenant)
-        window_end = time.monotonic()
-        streams.close()
-    counts = {t: sum(1 for k, ts in streams.times.items() if k.startswith(t)
-                     for x in ts if window_start <= x <= window_end) for t in "AB"}
-    total = counts["A"] + counts["B"]
-    return counts["A"] / total, counts["B"] / total
+    """Shares of the tokens generated while both tenants are backlogged: A keeps 80 requests
+    in flight and B 8 (each a thread sending one request after another), the batch holds 8, so
+    each always has requests waiting (a tenant whose queue empties leaves the round, as deficit
+    round robin has it). Non-streaming requests: the client learns of each at once, so its next
+    request follows without delay."""
+    done: list[tuple[str, float, int]] = []  # (tenant, finish time, tokens)
+    stop = time.monotonic() + 45
+
+    def loop(tenant: str, k: int) -> None:
+        while time.monotonic() < stop:
+            out = client.generate(WORD * 16 + f" {tenant}{k}", max_tokens=24, end_id=-1,
+                                  tenant=tenant, route="aggregated")
+            done.append((tenant, time.monotonic(), int(out["num_output_tokens"])))
+
+    with worker_on(repo, engine, tenant_weights=weights), ThreadPoolExecutor(88) as pool:
+        start = time.monotonic()
+        for k in range(80):
+            pool.submit(loop, "A", k)
+        for k in range(8):
+            pool.submit(loop, "B", k)
+    window = (start + 10, stop)  # both backlogged: after the first batches, before the tail
+    tokens = {t: sum(n for who, at, n in done if who == t and window[0] <= at <= window[1])
+              for t in "AB"}
+    total = tokens["A"] + tokens["B"]
+    return tokens["A"] / total, tokens["B"] / total
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,7 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine", type=Path, default=DEFAULT_ENGINE_DIR)
     ap.add_argument("--long-prompt", type=int, default=2048)
     ap.add_argument("--chunk-budget", type=int, default=256)
+    ap.add_argument("--parts", default="priority,chunking,fairness", help="which to measure")
     args = ap.parse_args(argv)
+    parts = set(args.parts.split(","))
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         # Every model of the server (preprocessing validates prompt lengths) takes the long prompts.
@@ -189,27 +193,40 @@ def main(argv: list[str] | None = None) -> int:
             client = LLMClient(opts.http_url)
             repo = TritonRepository(opts.http_url, opts.grpc_address)
 
-            print("[sched] priority: TTFT of a priority-9 request (128-token prompt)", flush=True)
-            idle, busy = priority(client, repo, small_batch)
-            print(f"  idle server                   {idle * 1e3:8.1f} ms")
-            print(f"  batch full of priority 0      {busy * 1e3:8.1f} ms   "
-                  f"({busy / idle:.2f}x idle)")
-
-            print(f"[sched] chunked prefill: 4 streams while 3 prompts of {args.long_prompt} "
-                  "tokens arrive", flush=True)
-            off = chunking(client, repo, whole, args.long_prompt, chunked=False)
-            on = chunking(client, repo, chunked, args.long_prompt, chunked=True)
-            p95_off, p95_on = percentile(off, 0.95) * 1e3, percentile(on, 0.95) * 1e3
-            print(f"  TPOT p95 without chunking     {p95_off:8.1f} ms")
-            print(f"  TPOT p95 with {args.chunk_budget}-token chunks  {p95_on:8.1f} ms   "
-                  f"({p95_off / p95_on:.2f}x better)")
-
-            print("[sched] fairness: A keeps 10x more requests in flight than B", flush=True)
-            for weights, want in (("{}", 0.5), ('{"A": 3, "B": 1}', 0.75)):
-                a, b = fairness(client, repo, small_batch, weights)
-                print(f"  weights {weights:<18} A {a:.2f}  B {b:.2f}   (fair A share {want:.2f}, "
-                      f"off by {abs(a - want) / want:.0%})")
+            if "priority" in parts:
+                measure_priority(client, repo, small_batch)
+            if "chunking" in parts:
+                measure_chunking(client, repo, whole, chunked, args)
+            if "fairness" in parts:
+                measure_fairness(client, repo, small_batch)
     return 0
+
+
+def measure_priority(client: LLMClient, repo: TritonRepository, small_batch: Path) -> None:
+    print("[sched] priority: TTFT of a priority-9 request (128-token prompt)", flush=True)
+    idle, busy = priority(client, repo, small_batch)
+    print(f"  idle server                   {idle * 1e3:8.1f} ms")
+    print(f"  batch full of priority 0      {busy * 1e3:8.1f} ms   ({busy / idle:.2f}x idle)")
+
+
+def measure_chunking(client: LLMClient, repo: TritonRepository, whole: Path, chunked: Path,
+                     args: argparse.Namespace) -> None:
+    print(f"[sched] chunked prefill: 4 streams while 3 prompts of {args.long_prompt} tokens "
+          "arrive", flush=True)
+    off = chunking(client, repo, whole, args.long_prompt, chunked=False)
+    on = chunking(client, repo, chunked, args.long_prompt, chunked=True)
+    p95_off, p95_on = percentile(off, 0.95) * 1e3, percentile(on, 0.95) * 1e3
+    print(f"  TPOT p95 without chunking     {p95_off:8.1f} ms")
+    print(f"  TPOT p95 with {args.chunk_budget}-token chunks  {p95_on:8.1f} ms   "
+          f"({p95_off / p95_on:.2f}x better)")
+
+
+def measure_fairness(client: LLMClient, repo: TritonRepository, small_batch: Path) -> None:
+    print("[sched] fairness: A keeps 10x more requests in flight than B", flush=True)
+    for weights, want in (("{}", 0.5), ('{"A": 3, "B": 1}', 0.75)):
+        a, b = fairness(client, repo, small_batch, weights)
+        print(f"  weights {weights:<18} A {a:.2f}  B {b:.2f}   (fair A share {want:.2f}, "
+              f"off by {abs(a - want) / want:.0%})")
 
 
 if __name__ == "__main__":
