@@ -60,12 +60,12 @@ def _threads_per_rank(world_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // world_size)
 
 
-def join_group(rank: int, layout_world: int, port: int, config: EngineConfig,
+def join_group(rank: int, world_size: int, port: int, config: EngineConfig,
                timeout_s: float) -> ParallelContext:
     """Rendezvous of all ranks; every rank creates every stage's group (the calls must match
     across ranks) and keeps its own."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=layout_world,
+                            world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
     size = config.parallel.stage_size
     mine = None
