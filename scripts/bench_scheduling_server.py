@@ -9,8 +9,8 @@ onto a variant of the engine (same weights, hard-linked; only the serving limits
 2. Chunked prefill: inter-token gaps (TPOT) of 4 running streams while 3 prompts of
    --long-prompt tokens arrive, with chunked prefill (a --chunk-budget token step budget) and
    without (each prompt in one step).
-3. Fairness: tenants A and B both backlogged, A keeping 10x more requests in flight than B
-   (80 and 8, the batch holds 8);
+3. Fairness: tenants A and B both backlogged, A sending 10x more requests than B (100 and 10,
+   all at once; the batch holds 8);
    each tenant's share of the tokens generated while both are backlogged, with equal weights
    and with weights 3:1 (the worker's `tenant_weights`).
 
@@ -143,29 +143,25 @@ def chunking(client: LLMClient, repo: TritonRepository, engine: Path, long_promp
 
 def fairness(client: LLMClient, repo: TritonRepository, engine: Path,
              weights: str) -> tuple[float, float]:
-    """Shares of the tokens generated while both tenants are backlogged: A keeps 80 requests
-    in flight and B 8 (each a thread sending one request after another), the batch holds 8, so
-    each always has requests waiting (a tenant whose queue empties leaves the round, as deficit
-    round robin has it). Non-streaming requests: the client learns of each at once, so its next
-    request follows without delay."""
+    """Shares of the tokens generated while both tenants are backlogged: A sends 100 requests
+    and B 10, all at once (open loop: every request is queued at the engine within a second,
+    so neither tenant's queue empties early; a closed loop of client threads on these 2 cores
+    re-issues too slowly to keep them full). Both are backlogged until B's last request is
+    done; the shares are counted up to then."""
     done: list[tuple[str, float, int]] = []  # (tenant, finish time, tokens)
-    stop = time.monotonic() + 45
 
-    def loop(tenant: str, k: int) -> None:
-        while time.monotonic() < stop:
-            out = client.generate(WORD * 16 + f" {tenant}{k}", max_tokens=24, end_id=-1,
-                                  tenant=tenant, route="aggregated")
-            done.append((tenant, time.monotonic(), int(out["num_output_tokens"])))
+    def one(tenant: str, k: int) -> None:
+        out = client.generate(WORD * 16 + f" {tenant}{k}", max_tokens=24, end_id=-1,
+                              tenant=tenant, route="aggregated")
+        done.append((tenant, time.monotonic(), int(out["num_output_tokens"])))
 
-    with worker_on(repo, engine, tenant_weights=weights), ThreadPoolExecutor(88) as pool:
-        start = time.monotonic()
-        for k in range(80):
-            pool.submit(loop, "A", k)
-        for k in range(8):
-            pool.submit(loop, "B", k)
-    window = (start + 10, stop)  # both backlogged: after the first batches, before the tail
-    tokens = {t: sum(n for who, at, n in done if who == t and window[0] <= at <= window[1])
-              for t in "AB"}
+    with worker_on(repo, engine, tenant_weights=weights), ThreadPoolExecutor(110) as pool:
+        for k in range(100):
+            pool.submit(one, "A", k)
+            if k % 10 == 0:
+                pool.submit(one, "B", k)
+    b_done = max(at for who, at, _ in done if who == "B")
+    tokens = {t: sum(n for who, at, n in done if who == t and at <= b_done) for t in "AB"}
     total = tokens["A"] + tokens["B"]
     return tokens["A"] / total, tokens["B"] / total
 
@@ -222,7 +218,7 @@ def measure_chunking(client: LLMClient, repo: TritonRepository, whole: Path, chu
 
 
 def measure_fairness(client: LLMClient, repo: TritonRepository, small_batch: Path) -> None:
-    print("[sched] fairness: A keeps 10x more requests in flight than B", flush=True)
+    print("[sched] fairness: A sends 10x more requests than B", flush=True)
     for weights, want in (("{}", 0.5), ('{"A": 3, "B": 1}', 0.75)):
         a, b = fairness(client, repo, small_batch, weights)
         print(f"  weights {weights:<18} A {a:.2f}  B {b:.2f}   (fair A share {want:.2f}, "
