@@ -283,9 +283,8 @@ def kv_layout(config: EngineConfig, num_kv_blocks: int, rank: int = 0,
               whole: bool = False) -> KVLayout:
     """The KV pool of rank `rank`: its stage's layers and its tensor-parallel share of heads;
     `whole`: every layer and head (what KV transports move, whatever the layout)."""
-    ctx, m = ParallelContext(config.parallel, rank), config.model
-    if whole:
-        ctx = ParallelContext()
+    ctx = ParallelContext() if whole else ParallelContext(config.parallel, rank)
+    m = config.model
     return KVLayout(
         num_layers=len(ctx.layout.stage_layers(m.num_layers, ctx.pp_rank)),
         num_kv_heads=m.num_kv_heads // ctx.tp_size, head_dim=m.head_dim,
