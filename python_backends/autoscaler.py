@@ -11,12 +11,14 @@ within per-group bounds; a group changes at most once per cooldown (a longer one
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -212,6 +214,20 @@ class TritonRepository:
             extra["count"] = 0
         config["instance_group"] = [g for g in groups if g["count"]]
         self.load(model, config, f"with {count} instances")
+
+    @contextmanager
+    def reloaded(self, model: str, **parameters: str) -> Iterator[None]:
+        """`model` reloaded with these config parameters set, and with its original config
+        again on leaving (benchmarks and tests that serve a variant for a while)."""
+        original = self.config(model)
+        config = copy.deepcopy(original)
+        config.setdefault("parameters", {}).update(
+            {key: {"string_value": value} for key, value in parameters.items()})
+        self.load(model, config, f"with {', '.join(sorted(parameters))} changed")
+        try:
+            yield
+        finally:
+            self.load(model, original, "with its original config")
 
     def load(self, model: str, config: dict[str, Any], what: str = "") -> None:
         """(Re)load `model` with `config` (Triton's JSON form of config.pbtxt); the running

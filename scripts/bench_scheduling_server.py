@@ -20,7 +20,6 @@ onto a variant of the engine (same weights, hard-linked; only the serving limits
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import itertools
 import os
@@ -29,9 +28,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -52,18 +49,9 @@ def variant(engine: Path, out: Path, **limits: int) -> Path:
     return out
 
 
-@contextmanager
-def worker_on(repo: TritonRepository, engine: Path, **params: str) -> Iterator[None]:
-    original = repo.config("worker")
-    config = copy.deepcopy(original)
-    config.setdefault("parameters", {})["engine_dir"] = {"string_value": str(engine)}
-    for key, value in params.items():
-        config["parameters"][key] = {"string_value": value}
-    repo.load("worker", config, f"on {engine.name}")
-    try:
-        yield
-    finally:
-        repo.load("worker", original, "back")
+def worker_on(repo: TritonRepository, engine: Path, **params: str) -> Any:
+    """The worker serving `engine` (and these parameters) until the block ends."""
+    return repo.reloaded("worker", engine_dir=str(engine), **params)
 
 
 class Streams:

@@ -193,11 +193,10 @@ def reshard_engine(
     if config.parallel.world_size != 1:
         raise EngineConfigError(f"{source} is split over {config.parallel.world_size} ranks; "
                                 "reshard from a single-rank engine")
-    parallel.check(config.model)
+    config = dataclasses.replace(config, parallel=parallel)  # refuses an impossible layout
     tmp = _partial_dir(out_dir, force)
     shutil.copytree(source, tmp, ignore=shutil.ignore_patterns("*.safetensors", "config.json"))
     state = load_file(str(source / config.weight_files()[0]))
-    config = dataclasses.replace(config, parallel=parallel)
     _write_ranks(tmp, out_dir, config, state, log)
     return config
 
@@ -220,8 +219,6 @@ def build_engine(
     log(f"loaded in {time.monotonic() - t0:.1f}s")
     if tokenizer is None:
         log("warning: no tokenizer files in the checkpoint; the engine cannot serve text")
-    if parallel is not None:  # refuse an impossible layout before writing anything
-        parallel.check(model_config_from_hf(model.config))
     config = write_engine(model, tokenizer, out_dir, limits, dtype, str(source), force, log,
                           parallel)
     log(f"engine ready at {out_dir} in {time.monotonic() - t0:.1f}s")

@@ -107,12 +107,12 @@ class ModelRunner:
         out: list[tuple[ScheduledSequence, ...]] = []
         current: list[ScheduledSequence] = []
         done = 0
-        for item in scheduled:
+        for i, item in enumerate(scheduled):
             current.append(item)
             done += item.num_new_tokens
-            remaining_items = len(scheduled) - sum(map(len, out)) - len(current)
+            items_left = len(scheduled) - i - 1  # enough to give every later part one
             if (len(out) < parts - 1 and done >= total * (len(out) + 1) / parts
-                    and remaining_items >= parts - 1 - len(out)):
+                    and items_left >= parts - 1 - len(out)):
                 out.append(tuple(current))
                 current = []
         if current:

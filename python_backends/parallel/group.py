@@ -36,6 +36,7 @@ import torch.distributed as dist
 from python_backends.config import EngineConfig
 from python_backends.engine.attention import AttentionMetadata
 from python_backends.engine.loader import DTYPES
+from python_backends.launcher import free_port
 from python_backends.models.llama import LlamaForCausalLM
 from python_backends.parallel.context import ParallelContext, timed
 
@@ -46,14 +47,6 @@ STARTUP_TIMEOUT_S = 300.0
 
 class RankFailure(RuntimeError):
     """A rank of the engine's parallel group died or stopped answering."""
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _threads_per_rank(world_size: int) -> int:
@@ -120,7 +113,7 @@ class RankGroup:
         self.dtype = DTYPES[config.dtype]
         world = config.parallel.world_size
         torch.set_num_threads(_threads_per_rank(world))
-        port = _free_port()
+        port = free_port()
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         self._failure_logged = False
         for rank in range(1, world):

@@ -116,16 +116,13 @@ def test_reload_keeps_http_streams_whole(server: Server) -> None:
 
     n_tokens = 160
     repo = TritonRepository(server.options.http_url, server.options.grpc_address)
-    original = repo.config("decode")
-    config = {**original, "parameters": {**original.get("parameters", {}),
-                                         "reload_probe": {"string_value": "1"}}}
     with ThreadPoolExecutor(6) as pool:
         futures = [pool.submit(server.client.stream_collect, PROMPTS[i % len(PROMPTS)],
                                max_tokens=n_tokens, end_id=-1, route="aggregated")
                    for i in range(6)]
         time.sleep(3.0)  # every stream is producing tokens
-        repo.load("decode", config, "with a changed parameter")
-        repo.load("decode", original, "back")
+        with repo.reloaded("decode", reload_probe="1"):
+            pass  # loaded with the changed parameter, then with the original config again
         results = [f.result(timeout=120) for f in futures]  # a lost final event hangs
     for r in results:
         assert len(r.output_ids) == n_tokens and r.finish_reason == "length"

@@ -4,10 +4,9 @@ runs in the stub and starts the other ranks; greedy output equals Hugging Face's
 
 from __future__ import annotations
 
-import copy
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -41,16 +40,10 @@ def rank_pids() -> set[int]:
 def serving(server: Server, engines: dict[str, Path]) -> Iterator[None]:
     """Models (worker, prefill, decode) reloaded onto engine directories, restored after."""
     repo = TritonRepository(server.options.http_url, server.options.grpc_address)
-    originals = {model: repo.config(model) for model in engines}
-    try:
+    with ExitStack() as stack:
         for model, engine_dir in engines.items():
-            config = copy.deepcopy(originals[model])
-            config.setdefault("parameters", {})["engine_dir"] = {"string_value": str(engine_dir)}
-            repo.load(model, config, f"on {engine_dir}")
+            stack.enter_context(repo.reloaded(model, engine_dir=str(engine_dir)))
         yield
-    finally:
-        for model, original in originals.items():
-            repo.load(model, original, "back on its own engine")
 
 
 def worker_serving(server: Server, engine_dir: Path) -> Any:
