@@ -89,6 +89,13 @@ class ServerOptions:
     # "explicit": the model-repository API may load, unload and resize models while serving
     # (the autoscaler resizes instance groups); every model is loaded at start either way.
     model_control: str = "none"
+    # Threads per Python model instance in Triton's parent process. Every BLS request from the
+    # scheduler holds one until its first response arrives, and every response the scheduler
+    # sends passes through one, so the pool bounds how many requests reach the engines at once.
+    # (The backend's default, 32, kept all but 32 waiting requests out of the engines' queues,
+    # which then could not apply priority or tenant fairness to them.) Keep it above the
+    # scheduler's max_waiting_requests.
+    python_threads: int = 320
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
     @property
@@ -124,6 +131,7 @@ class TritonServer:
             f"--exit-timeout-secs={o.exit_timeout_s}",
             "--backend-config=python,shm-default-byte-size=4194304",
             "--backend-config=python,shm-growth-byte-size=4194304",
+            f"--backend-config=python,thread-pool-size={o.python_threads}",
             # gRPC metadata x-tenant becomes the request parameter `x-tenant` (rate limits).
             # (Triton 2.51 forwards HTTP headers for /infer only, not /generate.)
             "--http-header-forward-pattern=^x-tenant$",

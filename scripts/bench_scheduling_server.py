@@ -9,10 +9,9 @@ onto a variant of the engine (same weights, hard-linked; only the serving limits
 2. Chunked prefill: inter-token gaps (TPOT) of 4 running streams while 3 prompts of
    --long-prompt tokens arrive, with chunked prefill (a --chunk-budget token step budget) and
    without (each prompt in one step).
-3. Fairness: tenants A and B both backlogged, A sending 10x more requests than B (100 and 10,
-   all at once; the batch holds 8);
-   each tenant's share of the tokens generated while both are backlogged, with equal weights
-   and with weights 3:1 (the worker's `tenant_weights`).
+3. Fairness: tenants A and B both backlogged, A sending 10x more requests than B (200 and 20
+   streams, all at once; the batch holds 8); each tenant's share of the tokens generated while
+   both are backlogged, with equal weights and with weights 3:1 (the worker's `tenant_weights`).
 
     python scripts/bench_scheduling_server.py [--engine engines/smollm2]
 """
@@ -57,11 +56,11 @@ def worker_on(repo: TritonRepository, engine: Path, **params: str) -> Any:
 class Streams:
     """Background streaming requests; records each token's arrival time per request."""
 
-    def __init__(self, client: LLMClient) -> None:
+    def __init__(self, client: LLMClient, max_streams: int = 256) -> None:
         self.client = client
         self.stop = threading.Event()
         self.times: dict[str, list[float]] = {}
-        self.pool = ThreadPoolExecutor(max_workers=128)
+        self.pool = ThreadPoolExecutor(max_workers=max_streams)
 
     def start(self, name: str, prompt: str, max_tokens: int, **params: Any) -> None:
         """Every request goes to the worker (`route` aggregated): the policies measured here
@@ -129,27 +128,35 @@ def chunking(client: LLMClient, repo: TritonRepository, engine: Path, long_promp
     return gaps
 
 
-def fairness(client: LLMClient, repo: TritonRepository, engine: Path,
-             weights: str) -> tuple[float, float]:
-    """Shares of the tokens generated while both tenants are backlogged: A sends 100 requests
-    and B 10, all at once (open loop: every request is queued at the engine within a second,
-    so neither tenant's queue empties early; a closed loop of client threads on these 2 cores
-    re-issues too slowly to keep them full). Both are backlogged until B's last request is
-    done; the shares are counted up to then."""
-    done: list[tuple[str, float, int]] = []  # (tenant, finish time, tokens)
+def fairness(client: LLMClient, repo: TritonRepository, engine: Path, weights: str,
+             batch: int, requests_b: int = 20) -> tuple[float, float]:
+    """Shares of the tokens generated while both tenants are backlogged: A sends 10x more
+    requests than B, all at once (open loop), as streams, so every token has a time.
 
-    def one(tenant: str, k: int) -> None:
-        out = client.generate(WORD * 16 + f" {tenant}{k}", max_tokens=24, end_id=-1,
-                              tenant=tenant, route="aggregated")
-        done.append((tenant, time.monotonic(), int(out["num_output_tokens"])))
-
-    with worker_on(repo, engine, tenant_weights=weights), ThreadPoolExecutor(110) as pool:
-        for k in range(100):
-            pool.submit(one, "A", k)
-            if k % 10 == 0:
-                pool.submit(one, "B", k)
-    b_done = max(at for who, at, _ in done if who == "B")
-    tokens = {t: sum(n for who, at, n in done if who == t and at <= b_done) for t in "AB"}
+    The window opens when the last of the first `batch` requests admitted (in arrival order,
+    before any queue formed) is done, so every running sequence from then on was admitted by
+    the fair queue; it closes when B's last request gets its first token, after which B has
+    nothing waiting. Tokens are counted by arrival time within the window."""
+    streams = Streams(client)
+    names = []
+    with worker_on(repo, engine, tenant_weights=weights):
+        for k in range(10 * requests_b):
+            for tenant in ("A", "B") if k % 10 == 0 else ("A",):
+                name = f"{tenant}{k}"
+                names.append(name)
+                streams.start(name, WORD * 16 + f" {name}", 24, tenant=tenant)
+        b_names = [n for n in names if n.startswith("B")]
+        while not all(len(streams.times[n]) >= 24 for n in b_names):
+            time.sleep(0.2)
+        streams.close()  # A's remaining requests are cancelled
+    times = {n: t for n, t in streams.times.items() if t}
+    first_batch = sorted(times, key=lambda n: times[n][0])[:batch]
+    opens = max(times[n][-1] for n in first_batch)
+    closes = max(times[n][0] for n in b_names)
+    if closes <= opens:
+        raise RuntimeError("B's queue emptied before the first batch finished: no window")
+    tokens = {t: sum(opens <= x <= closes for n in times if n.startswith(t) for x in times[n])
+              for t in "AB"}
     total = tokens["A"] + tokens["B"]
     return tokens["A"] / total, tokens["B"] / total
 
@@ -176,13 +183,17 @@ def main(argv: list[str] | None = None) -> int:
             server.wait_ready(progress=True)
             client = LLMClient(opts.http_url)
             repo = TritonRepository(opts.http_url, opts.grpc_address)
-
-            if "priority" in parts:
-                measure_priority(client, repo, small_batch)
-            if "chunking" in parts:
-                measure_chunking(client, repo, whole, chunked, args)
-            if "fairness" in parts:
-                measure_fairness(client, repo, small_batch)
+            try:
+                if "priority" in parts:
+                    measure_priority(client, repo, small_batch)
+                if "chunking" in parts:
+                    measure_chunking(client, repo, whole, chunked, args)
+                if "fairness" in parts:
+                    measure_fairness(client, repo, small_batch)
+            except Exception:
+                log = (root / "triton.log").read_text(errors="replace").splitlines()
+                print("[sched] failed; the server log ends:", *log[-60:], sep="\n", flush=True)
+                raise
     return 0
 
 
@@ -208,7 +219,7 @@ def measure_chunking(client: LLMClient, repo: TritonRepository, whole: Path, chu
 def measure_fairness(client: LLMClient, repo: TritonRepository, small_batch: Path) -> None:
     print("[sched] fairness: A sends 10x more requests than B", flush=True)
     for weights, want in (("{}", 0.5), ('{"A": 3, "B": 1}', 0.75)):
-        a, b = fairness(client, repo, small_batch, weights)
+        a, b = fairness(client, repo, small_batch, weights, batch=8)
         print(f"  weights {weights:<18} A {a:.2f}  B {b:.2f}   (fair A share {want:.2f}, "
               f"off by {abs(a - want) / want:.0%})")
 

@@ -141,7 +141,7 @@ class _DeficitRoundRobin:
 class PriorityFairQueue(WaitingQueue):
     """Higher `priority` first; fair across tenants (by `weights`) within a priority."""
 
-    def __init__(self, weights: dict[str, float] | None = None, quantum: int = 256) -> None:
+    def __init__(self, weights: dict[str, float] | None = None, quantum: int = 64) -> None:
         self._weights = dict(weights or {})
         self._quantum = quantum
         self._classes: dict[int, _DeficitRoundRobin] = {}
