@@ -244,11 +244,23 @@ class TritonRepository:
         finally:
             client.close()
 
-    def served_groups(self) -> list[str]:
+    def ready_models(self) -> list[str]:
         r = self.session.post(f"{self.url}/v2/repository/index", data="{}", timeout=30)
         r.raise_for_status()
-        ready = {m["name"] for m in r.json() if m.get("state") == "READY"}
+        return [m["name"] for m in r.json() if m.get("state") == "READY"]
+
+    def served_groups(self) -> list[str]:
+        ready = set(self.ready_models())
         return [g for g in GROUPS if g in ready]
+
+    def restart(self, model: str) -> None:
+        """Reload `model` with its current config: new instances (new stub processes) replace
+        the old ones. (A changed parameter makes Triton reload an unchanged model.)"""
+        config = self.config(model)
+        params = config.setdefault("parameters", {})
+        revision = int(params.get("restart_revision", {}).get("string_value", "0") or 0)
+        params["restart_revision"] = {"string_value": str(revision + 1)}
+        self.load(model, config, "to restart it")
 
 
 class Controller:

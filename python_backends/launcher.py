@@ -23,6 +23,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from python_backends.watchdog import StubWatchdog
+
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 SHM_DIR = Path("/dev/shm")
 API_KEY_HEADER = "x-api-key"
@@ -87,8 +89,9 @@ class ServerOptions:
     exit_timeout_s: int = 15
     api_key: str | None = None  # when set, clients must send it in the x-api-key header
     # "explicit": the model-repository API may load, unload and resize models while serving
-    # (the autoscaler resizes instance groups); every model is loaded at start either way.
-    model_control: str = "none"
+    # (the autoscaler resizes instance groups, the stub watchdog reloads a model whose stub
+    # died); "none": it may not. Every model is loaded at start either way.
+    model_control: str = "explicit"
     # Threads per Python model instance in Triton's parent process. Every BLS request from the
     # scheduler holds one until its first response arrives, and every response the scheduler
     # sends passes through one, so the pool bounds how many requests reach the engines at once.
@@ -116,6 +119,7 @@ class TritonServer:
         self.options = options
         self.process: subprocess.Popen[bytes] | None = None
         self._shm_before: set[str] = set()
+        self.watchdog: StubWatchdog | None = None
 
     def command(self) -> list[str]:
         o = self.options
@@ -174,6 +178,7 @@ class TritonServer:
             if self.process is not None and self.process.poll() is not None:
                 raise ServerError(f"tritonserver exited with code {self.process.returncode}")
             if self.is_ready():
+                self._watch()
                 return
             if progress and time.monotonic() - last_note > 10:
                 print("[serve] waiting for the models to load ...", flush=True)
@@ -181,9 +186,30 @@ class TritonServer:
             time.sleep(0.5)
         raise ServerError(f"server not ready after {timeout_s:.0f}s")
 
+    def _watch(self) -> None:
+        """Start the stub watchdog (once): a dead model stub gets its model reloaded."""
+        if self.watchdog is not None or self.process is None:
+            return
+        from python_backends.autoscaler import TritonRepository
+
+        o = self.options
+        repo = TritonRepository(o.http_url, o.grpc_address, api_key=o.api_key)
+        self.watchdog = StubWatchdog(self.process.pid, repo, report=self._report)
+        self.watchdog.start()
+
+    def _report(self, line: str) -> None:
+        if self.options.log_file is None:
+            print(line, file=sys.stderr, flush=True)
+            return
+        with open(self.options.log_file, "a") as f:
+            f.write(line + "\n")
+
     def stop(self) -> None:
         """SIGTERM, wait for Triton to unload the models (it stops the stubs), then make sure
         no process of the group and no shared-memory region of this server is left behind."""
+        if self.watchdog is not None:
+            self.watchdog.stop()  # unloading is not dying
+            self.watchdog = None
         p = self.process
         if p is not None and p.poll() is None:
             p.send_signal(signal.SIGTERM)
@@ -288,8 +314,10 @@ def main(argv: list[str] | None = None) -> int:
                          "inference and control APIs; health stays open")
     ap.add_argument("--model-repository", type=Path, default=PROJECT_ROOT / "model_repository")
     ap.add_argument("--model-control", choices=("none", "explicit"),
-                    default=os.environ.get("LLM_MODEL_CONTROL", "none"),
-                    help="explicit: allow resizing models while serving (the autoscaler)")
+                    default=os.environ.get("LLM_MODEL_CONTROL", "explicit"),
+                    help="explicit (default): models can be reloaded while serving, by the "
+                         "autoscaler and by the stub watchdog (which reloads a model whose stub "
+                         "process died); none: the repository is fixed")
     ap.add_argument("extra", nargs="*", help="extra tritonserver arguments (after --)")
     args = ap.parse_args(argv)
     opts = ServerOptions(

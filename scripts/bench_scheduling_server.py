@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         whole = variant(base, root / "whole", max_num_batched_tokens=args.long_prompt + 256)
         opts = ServerOptions(http_port=free_port(), grpc_port=free_port(),
                              metrics_port=free_port(), engine_dir=base,
-                             log_file=root / "triton.log", model_control="explicit")
+                             log_file=root / "triton.log")
         with TritonServer(opts) as server:
             server.wait_ready(progress=True)
             client = LLMClient(opts.http_url)

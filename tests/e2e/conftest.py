@@ -31,11 +31,16 @@ PROMPTS = [
 MAX_TOKENS = 24
 
 
+# Stub instances that tests kill on purpose (test_watchdog.py); any other restart is reported.
+KILLED_BY_TESTS: set[str] = set()
+
+
 @dataclass
 class Server:
     options: ServerOptions
     client: LLMClient
     log_file: Path
+    triton: TritonServer
 
     def metrics(self) -> dict[str, Any]:
         return scrape(self.options.metrics_url)
@@ -62,7 +67,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
         engine_dir=ENGINE_DIR, log_file=log_file,
         exit_timeout_s=5,  # idle keep-alive connections hold shutdown for the whole timeout
-        model_control="explicit",  # the autoscaler test resizes instance groups
     )
     triton = TritonServer(opts)
     triton.start()
@@ -73,9 +77,16 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         print(log_file.read_text()[-5000:])
         raise
     try:
-        yield Server(opts, LLMClient(opts.http_url), log_file)
+        yield Server(opts, LLMClient(opts.http_url), log_file, triton)
     finally:
+        restarts = triton.watchdog.restarts if triton.watchdog else []
         triton.stop()
+        unplanned = [r for r in restarts if r[0] not in KILLED_BY_TESTS]
+        if unplanned:  # a stub died by itself: say so, with what the log knows
+            print(f"\n[e2e] the stub watchdog restarted {unplanned}; server log lines:")
+            print("\n".join(line for line in log_file.read_text(errors="replace").splitlines()
+                            if "watchdog" in line or "Stub process" in line
+                            or "signal" in line.lower() or "corrupt" in line)[-5000:])
 
 
 @dataclass

@@ -1,0 +1,157 @@
+"""Restarts Python model instances whose stub process died.
+
+Why it exists: Triton's Python backend never restarts the stub of a decoupled model. If one
+dies (a crash, the OOM killer, a stray signal), every later request to that instance fails with
+"Stub process '<instance>' is not healthy" until the model is reloaded; for the `scheduler`
+that is every request the server gets. The watchdog notices the missing process and reloads its
+model through the model-repository API (explicit model control), which starts a new stub; the
+other models, and requests in flight on them, are untouched.
+
+A stub is a child process of tritonserver running `triton_python_backend_stub`; its argv holds
+the model file and the instance name (for example `scheduler_0_0`). An instance is expected when
+its model is READY and the model's config lists it; it is dead when no live (non-zombie) stub
+carries its name for `grace_s` (a reload starts the new stubs before the model turns READY with
+the new config, so a reload never looks like a death).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+log = logging.getLogger(__name__)
+STUB_BINARY = "triton_python_backend_stub"
+PROC = Path("/proc")
+
+
+@dataclass(frozen=True)
+class Stub:
+    pid: int
+    model: str
+    instance: str
+
+
+def _stat(pid: str) -> tuple[str, int] | None:
+    """(state, parent pid) of a process, None if it is gone."""
+    try:
+        stat = (PROC / pid / "stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()  # the command name may hold spaces
+    return fields[0], int(fields[1])
+
+
+def live_stubs(server_pid: int) -> list[Stub]:
+    """The Python-backend stubs of a tritonserver process that are running (not zombies)."""
+    stubs = []
+    for entry in PROC.iterdir():
+        if not entry.name.isdigit():
+            continue
+        stat = _stat(entry.name)
+        if stat is None or stat[1] != server_pid or stat[0] == "Z":
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if len(argv) < 9 or not argv[0].endswith(STUB_BINARY.encode()):
+            continue
+        model_file = Path(argv[1].decode())  # <repository>/<model>/<version>/model.py
+        stubs.append(Stub(int(entry.name), model_file.parent.parent.name, argv[8].decode()))
+    return stubs
+
+
+def expected_instances(config: dict[str, Any]) -> set[str]:
+    """Instance names Triton gives a model's instance groups: `<group name>_<index>`."""
+    model = config["name"]
+    names: set[str] = set()
+    for g, group in enumerate(config.get("instance_group") or []):
+        name = group.get("name") or f"{model}_{g}"
+        names.update(f"{name}_{i}" for i in range(int(group.get("count", 1))))
+    return names
+
+
+class Repository(Protocol):
+    def ready_models(self) -> list[str]: ...
+
+    def config(self, model: str) -> dict[str, Any]: ...
+
+    def restart(self, model: str) -> None: ...
+
+
+class StubWatchdog:
+    """Call `check` periodically (or `start` a thread that does): each dead instance's model is
+    reloaded once; `restarts` records (instance, model) for every reload made."""
+
+    def __init__(
+        self, server_pid: int, repo: Repository, grace_s: float = 3.0,
+        report: Callable[[str], None] = log.warning,
+        stubs: Callable[[int], list[Stub]] = live_stubs,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.server_pid = server_pid
+        self.repo = repo
+        self.grace_s = grace_s
+        self.report = report
+        self._stubs = stubs
+        self._clock = clock
+        self._missing_since: dict[str, float] = {}
+        self._failed: set[str] = set()  # instances whose reload failed: reported once
+        self.restarts: list[tuple[str, str]] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def check(self) -> list[str]:
+        """One look; returns the models reloaded."""
+        running = {s.instance for s in self._stubs(self.server_pid)}
+        now = self._clock()
+        dead: dict[str, list[str]] = {}
+        for model in self.repo.ready_models():
+            config = self.repo.config(model)
+            if config.get("backend") != "python":
+                continue
+            for instance in expected_instances(config):
+                if instance in running:
+                    self._missing_since.pop(instance, None)
+                    self._failed.discard(instance)
+                    continue
+                since = self._missing_since.setdefault(instance, now)
+                if now - since >= self.grace_s and instance not in self._failed:
+                    dead.setdefault(model, []).append(instance)
+        for model, instances in dead.items():
+            self.report(f"[watchdog] {', '.join(sorted(instances))}: stub process gone; "
+                        f"reloading {model}")
+            try:
+                self.repo.restart(model)
+            except Exception as e:
+                self.report(f"[watchdog] reloading {model} failed (the instance stays down "
+                            f"until the model is reloaded or the server restarted): {e}")
+                self._failed.update(instances)
+                continue
+            for instance in instances:
+                self._missing_since.pop(instance, None)
+                self.restarts.append((instance, model))
+            self.report(f"[watchdog] {model} reloaded")
+        return list(dead)
+
+    def start(self, interval_s: float = 1.0) -> None:
+        def run() -> None:
+            while not self._stop.wait(interval_s):
+                try:
+                    self.check()
+                except Exception as e:  # the server may be starting or stopping
+                    log.debug("watchdog check failed: %s", e)
+
+        self._thread = threading.Thread(target=run, name="stub-watchdog", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None

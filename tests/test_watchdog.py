@@ -1,0 +1,125 @@
+"""The stub watchdog on a simulated clock with a fake repository and process table."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from python_backends.watchdog import STUB_BINARY, Stub, StubWatchdog, expected_instances, live_stubs
+
+
+class FakeRepo:
+    def __init__(self, configs: dict[str, dict[str, Any]], fail: bool = False) -> None:
+        self.configs = configs
+        self.restarted: list[str] = []
+        self.fail = fail
+
+    def ready_models(self) -> list[str]:
+        return list(self.configs)
+
+    def config(self, model: str) -> dict[str, Any]:
+        return self.configs[model]
+
+    def restart(self, model: str) -> None:
+        if self.fail:
+            raise RuntimeError("load refused")
+        self.restarted.append(model)
+
+
+def python_model(name: str, count: int = 1) -> dict[str, Any]:
+    return {"name": name, "backend": "python",
+            "instance_group": [{"name": f"{name}_0", "count": count, "kind": "KIND_CPU"}]}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_expected_instance_names() -> None:
+    assert expected_instances(python_model("prefill", 2)) == {"prefill_0_0", "prefill_0_1"}
+    unnamed = {"name": "w", "instance_group": [{"count": 1}, {"count": 2}]}
+    assert expected_instances(unnamed) == {"w_0_0", "w_1_0", "w_1_1"}
+
+
+def test_dead_stub_reloads_its_model_once_after_the_grace_period() -> None:
+    repo = FakeRepo({"scheduler": python_model("scheduler"), "worker": python_model("worker"),
+                     "ensemble": {"name": "ensemble", "platform": "ensemble"}})
+    running = [Stub(10, "scheduler", "scheduler_0_0"), Stub(11, "worker", "worker_0_0")]
+    clock, lines = Clock(), list[str]()
+    dog = StubWatchdog(1, repo, grace_s=3.0, report=lines.append, stubs=lambda _pid: running,
+                       clock=clock)
+    assert dog.check() == []
+    running.pop(0)  # the scheduler's stub dies
+    assert dog.check() == []  # a reload also leaves a gap for a moment
+    clock.t = 2.9
+    assert dog.check() == []
+    clock.t = 3.0
+    assert dog.check() == ["scheduler"]
+    assert repo.restarted == ["scheduler"] and dog.restarts == [("scheduler_0_0", "scheduler")]
+    assert any("scheduler_0_0: stub process gone" in line for line in lines)
+    running.append(Stub(12, "scheduler", "scheduler_0_0"))  # the reload started a new one
+    clock.t = 10.0
+    assert dog.check() == [] and repo.restarted == ["scheduler"]
+
+
+def test_instances_the_config_no_longer_lists_are_not_missed() -> None:
+    repo = FakeRepo({"prefill": python_model("prefill", 2)})
+    running = [Stub(1, "prefill", "prefill_0_0"), Stub(2, "prefill", "prefill_0_1")]
+    clock = Clock()
+    dog = StubWatchdog(1, repo, report=lambda _l: None, stubs=lambda _pid: running, clock=clock)
+    dog.check()
+    repo.configs["prefill"] = python_model("prefill", 1)  # scaled down
+    running.pop()
+    clock.t = 100.0
+    assert dog.check() == [] and repo.restarted == []
+
+
+def test_a_failed_reload_is_reported_once() -> None:
+    repo = FakeRepo({"scheduler": python_model("scheduler")}, fail=True)
+    clock, lines = Clock(), list[str]()
+    dog = StubWatchdog(1, repo, grace_s=0.0, report=lines.append, stubs=lambda _pid: [],
+                       clock=clock)
+    dog.check()
+    dog.check()
+    failures = [line for line in lines if "failed" in line]
+    assert len(failures) == 1 and "load refused" in failures[0]
+    assert dog.restarts == []
+
+
+def test_live_stubs_reads_the_process_table(tmp_path: Path) -> None:
+    """A child process with a stub's name and argv layout is found; once it exits (a zombie
+    until reaped) it is not."""
+    stub = tmp_path / STUB_BINARY
+    stub.symlink_to(sys.executable)  # python run under the stub's name
+    model_file = tmp_path / "repo" / "scheduler" / "1" / "model.py"
+    model_file.parent.mkdir(parents=True)
+    model_file.write_text("import time\ntime.sleep(60)\n")
+    proc = subprocess.Popen([str(stub), str(model_file), "shm", "1", "1", str(os.getpid()),
+                             "lib", "1", "scheduler_0_0", "DEFAULT"])
+    try:
+        assert _eventually(lambda: live_stubs(os.getpid()) ==
+                           [Stub(proc.pid, "scheduler", "scheduler_0_0")])
+        os.kill(proc.pid, signal.SIGKILL)  # not reaped: a zombie
+        assert _eventually(lambda: live_stubs(os.getpid()) == [])
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _eventually(condition: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
