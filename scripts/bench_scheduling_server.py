@@ -19,10 +19,7 @@ onto a variant of the engine (same weights, hard-linked; only the serving limits
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import itertools
-import os
-import shutil
 import sys
 import tempfile
 import threading
@@ -33,19 +30,11 @@ from typing import Any
 
 from python_backends.autoscaler import TritonRepository
 from python_backends.client import LLMClient, percentile
-from python_backends.config import DEFAULT_ENGINE_DIR, EngineConfig
+from python_backends.config import DEFAULT_ENGINE_DIR
+from python_backends.engine.builder import engine_variant
 from python_backends.launcher import ServerOptions, TritonServer, free_port
 
 WORD = " hello"  # one token per repetition in SmolLM2's tokenizer
-
-
-def variant(engine: Path, out: Path, **limits: int) -> Path:
-    """`engine` with other serving limits; the weight files are hard links, not copies."""
-    config = EngineConfig.load(engine)
-    shutil.copytree(engine, out, copy_function=os.link)
-    (out / "config.json").unlink()
-    dataclasses.replace(config, limits=dataclasses.replace(config.limits, **limits)).save(out)
-    return out
 
 
 def worker_on(repo: TritonRepository, engine: Path, **params: str) -> Any:
@@ -172,10 +161,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         # Every model of the server (preprocessing validates prompt lengths) takes the long prompts.
-        base = variant(args.engine, root / "base", max_seq_len=args.long_prompt + 256)
-        small_batch = variant(base, root / "batch8", max_num_seqs=8)
-        chunked = variant(base, root / "chunked", max_num_batched_tokens=args.chunk_budget)
-        whole = variant(base, root / "whole", max_num_batched_tokens=args.long_prompt + 256)
+        base = engine_variant(args.engine, root / "base", max_seq_len=args.long_prompt + 256)
+        small_batch = engine_variant(base, root / "batch8", max_num_seqs=8)
+        chunked = engine_variant(base, root / "chunked", max_num_batched_tokens=args.chunk_budget)
+        whole = engine_variant(base, root / "whole", max_num_batched_tokens=args.long_prompt + 256)
         opts = ServerOptions(http_port=free_port(), grpc_port=free_port(),
                              metrics_port=free_port(), engine_dir=base,
                              log_file=root / "triton.log")

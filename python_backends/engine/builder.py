@@ -179,6 +179,24 @@ def _write_ranks(tmp: Path, out_dir: Path, config: EngineConfig,
     tmp.rename(out_dir)
 
 
+def engine_variant(engine: Path, out: Path, **limits: int) -> Path:
+    """`engine` with other serving limits (`EngineLimits` fields) in `out`; the weight files
+    are hard links, not copies (tests and benchmarks serve variants side by side)."""
+    import os
+
+    def link(src: str, dst: str) -> None:
+        try:
+            os.link(src, dst)
+        except OSError:  # another file system
+            shutil.copy2(src, dst)
+
+    config = EngineConfig.load(engine)
+    shutil.copytree(engine, out, copy_function=link)
+    (out / "config.json").unlink()
+    dataclasses.replace(config, limits=dataclasses.replace(config.limits, **limits)).save(out)
+    return out
+
+
 def is_engine_dir(path: Path) -> bool:
     return (path / "config.json").is_file() and (path / "rank0.safetensors").is_file()
 
