@@ -3,7 +3,7 @@
 #
 #   scripts/serve.sh [--host H] [--http-port P] [--grpc-port P] [--metrics-port P]
 #                    [--engine DIR] [--model-repository DIR] [--api-key KEY]
-#                    [--model-control explicit] [-- extra tritonserver args]
+#                    [--model-control explicit|none] [-- extra tritonserver args]
 #
 # Creates the environment and builds the default engine when missing, waits until the models
 # are ready, prints the endpoints and a curl example, and stops cleanly on Ctrl-C / SIGTERM.

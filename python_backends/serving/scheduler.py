@@ -135,22 +135,28 @@ class SchedulerModel:
         )
 
     def execute(self, requests: list[Any]) -> None:
+        # Requests are read here, while Triton still holds them (their input tensors live in
+        # shared memory the server frees once execute returns); the threads get copies.
         for request in requests:
-            self.pool.submit(self._serve, request)
+            sender = request.get_response_sender()
+            try:
+                request_json = first_bytes(inputs_of(request), "REQUEST")
+            except Exception as e:
+                sender.send(error_response(f"scheduler: bad request: {e}",
+                                           pb_utils.TritonError.INVALID_ARG), flags=FINAL)
+                continue
+            self.pool.submit(self._serve, sender, request_json)
         return None
 
-    def _serve(self, request: Any) -> None:
-        sender = request.get_response_sender()
+    def _serve(self, sender: Any, request_json: bytes) -> None:
         try:
-            self._serve_one(request, sender)
+            self._serve_one(sender, request_json)
         except Exception as e:
             log.exception("request failed")
             sender.send(error_response(f"scheduler: {e}", pb_utils.TritonError.INTERNAL),
                         flags=FINAL)
 
-    def _serve_one(self, request: Any, sender: Any) -> None:
-        inputs = inputs_of(request)
-        request_json = first_bytes(inputs, "REQUEST")
+    def _serve_one(self, sender: Any, request_json: bytes) -> None:
         req = GenerationRequest.from_json(request_json)
         state = RequestStream(
             req.prompt_ids, req.stream, req.exclude_input_in_output, req.params.return_log_probs
