@@ -14,6 +14,16 @@ from python_backends.engine.builder import write_engine
 from python_backends.engine.llm_engine import LLMEngine
 
 
+class Clock:
+    """A simulated clock for policies that take `clock=`: set `t` to move time."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
 @dataclass
 class TinyModel:
     engine_dir: Path

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from python_backends.watchdog import STUB_BINARY, Stub, StubWatchdog, expected_instances, live_stubs
+from tests.conftest import Clock
 
 
 class FakeRepo:
@@ -35,14 +36,6 @@ class FakeRepo:
 def python_model(name: str, count: int = 1) -> dict[str, Any]:
     return {"name": name, "backend": "python",
             "instance_group": [{"name": f"{name}_0", "count": count, "kind": "KIND_CPU"}]}
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def test_expected_instance_names() -> None:

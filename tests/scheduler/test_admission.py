@@ -12,14 +12,7 @@ from python_backends.scheduler.admission import (
     TokenBucket,
     parse_rate_limits,
 )
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
+from tests.conftest import Clock
 
 
 def test_token_bucket_refills_at_its_rate_up_to_capacity() -> None:
