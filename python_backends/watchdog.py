@@ -5,7 +5,8 @@ dies (a crash, the OOM killer, a stray signal), every later request to that inst
 "Stub process '<instance>' is not healthy" until the model is reloaded; for the `scheduler`
 that is every request the server gets. The watchdog notices the missing process and reloads its
 model through the model-repository API (explicit model control), which starts a new stub; the
-other models, and requests in flight on them, are untouched.
+other models, and requests in flight on them, are untouched. (Requests the dead stub held are
+not failed by Triton; their clients wait until their own timeout.)
 
 A stub is a child process of tritonserver running `triton_python_backend_stub`; its argv holds
 the model file and the instance name (for example `scheduler_0_0`). An instance is expected when

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import math
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from python_backends.client import as_list, metric_sum
 from python_backends.config import EngineConfig
+from python_backends.watchdog import live_stubs
 from tests.e2e.conftest import ENGINE_DIR, MAX_TOKENS, PROMPTS, Reference, Server
 
 pytestmark = pytest.mark.e2e
@@ -44,25 +44,16 @@ def test_every_path_matches_hf(
     assert streamed.text == reference.text(prompt)
 
 
-def _stub_pids(model: str) -> set[int]:
-    pids = set()
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if "triton_python_backend_stub" in cmdline and f"/{model}/1/model.py" in cmdline:
-            pids.add(int(proc.name))
-    return pids
+def _stub_pids(server: Server, model: str) -> set[int]:
+    assert server.triton.process is not None
+    return {s.pid for s in live_stubs(server.triton.process.pid) if s.model == model}
 
 
 @pytest.mark.parametrize("transport", ["nixl", "host_shm"])
 def test_kv_crosses_processes_and_decode_computes_no_prompt(
     server: Server, reference: Reference, transport: str
 ) -> None:
-    prefill, decode = _stub_pids("prefill"), _stub_pids("decode")
+    prefill, decode = _stub_pids(server, "prefill"), _stub_pids(server, "decode")
     assert prefill and decode and not prefill & decode
     prompt = PROMPTS[4]
     n_prompt = len(reference.tokenizer(prompt)["input_ids"])
