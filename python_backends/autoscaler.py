@@ -20,11 +20,14 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import requests
 
 from python_backends.client import Labels, metric_delta, metric_sum
+
+if TYPE_CHECKING:
+    from python_backends.launcher import ServerOptions
 
 log = logging.getLogger(__name__)
 Metrics = dict[str, dict[Labels, float]]
@@ -162,9 +165,17 @@ class Autoscaler:
         return decisions
 
 
+def _force_reload(config: dict[str, Any], counter: str) -> None:
+    """Bump the config parameter `counter`: Triton reloads a model whose config changed (new
+    instances, new stub processes) but does nothing for an unchanged one."""
+    params = config.setdefault("parameters", {})
+    revision = int(params.get(counter, {}).get("string_value", "0") or 0)
+    params[counter] = {"string_value": str(revision + 1)}
+
+
 class TritonRepository:
     """Instance counts through Triton's model-repository API (the server must run with
-    `--model-control-mode=explicit`, which `scripts/serve.sh --model-control explicit` sets).
+    `--model-control-mode=explicit`, the launcher's default).
     Loading a model with a new config only adds or removes instances: the others keep serving,
     and a removed instance finishes its requests before it goes.
 
@@ -190,6 +201,11 @@ class TritonRepository:
             self.session.headers[API_KEY_HEADER] = api_key
             self._grpc_headers[GRPC_API_KEY_HEADER] = api_key
 
+    @classmethod
+    def for_server(cls, options: ServerOptions) -> TritonRepository:
+        """The repository of a server the launcher started with these options."""
+        return cls(options.http_url, options.grpc_address, api_key=options.api_key)
+
     def config(self, model: str) -> dict[str, Any]:
         r = self.session.get(f"{self.url}/v2/models/{model}/config", timeout=30)
         r.raise_for_status()
@@ -204,10 +220,8 @@ class TritonRepository:
         if count < current:
             # Removing instances in place crashed Triton 2.51 when one had a decoupled request
             # open, so shrinking reloads the model: new instances take new requests and the old
-            # model is unloaded once its requests finish. (A changed parameter forces that.)
-            params = config.setdefault("parameters", {})
-            revision = int(params.get("resize_revision", {}).get("string_value", "0") or 0)
-            params["resize_revision"] = {"string_value": str(revision + 1)}
+            # model is unloaded once its requests finish.
+            _force_reload(config, "resize_revision")
         groups = config.get("instance_group") or [{"kind": "KIND_CPU"}]
         groups[0]["count"] = count
         for extra in groups[1:]:
@@ -255,11 +269,9 @@ class TritonRepository:
 
     def restart(self, model: str) -> None:
         """Reload `model` with its current config: new instances (new stub processes) replace
-        the old ones. (A changed parameter makes Triton reload an unchanged model.)"""
+        the old ones."""
         config = self.config(model)
-        params = config.setdefault("parameters", {})
-        revision = int(params.get("restart_revision", {}).get("string_value", "0") or 0)
-        params["restart_revision"] = {"string_value": str(revision + 1)}
+        _force_reload(config, "restart_revision")
         self.load(model, config, "to restart it")
 
 

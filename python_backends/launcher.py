@@ -192,8 +192,7 @@ class TritonServer:
             return
         from python_backends.autoscaler import TritonRepository
 
-        o = self.options
-        repo = TritonRepository(o.http_url, o.grpc_address, api_key=o.api_key)
+        repo = TritonRepository.for_server(self.options)
         self.watchdog = StubWatchdog(self.process.pid, repo, report=self._report)
         self.watchdog.start()
 

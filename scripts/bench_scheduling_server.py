@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         with TritonServer(opts) as server:
             server.wait_ready(progress=True)
             client = LLMClient(opts.http_url)
-            repo = TritonRepository(opts.http_url, opts.grpc_address)
+            repo = TritonRepository.for_server(opts)
             try:
                 if "priority" in parts:
                     measure_priority(client, repo, small_batch)

@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
             server.wait_ready(progress=True)
             assert server.watchdog is not None
             client = LLMClient(opts.http_url, timeout=60)
-            repo = TritonRepository(opts.http_url, opts.grpc_address)
+            repo = TritonRepository.for_server(opts)
             start, rounds = time.monotonic(), 0
             while time.monotonic() - start < args.seconds and not server.watchdog.restarts:
                 rounds += 1

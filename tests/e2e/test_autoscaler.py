@@ -65,7 +65,7 @@ def _tick_until(controller: Controller, want: str, timeout_s: float) -> list[Any
 def test_autoscaler_resizes_prefill_with_requests_in_flight(
     server: Server, reference: Reference
 ) -> None:
-    repo = TritonRepository(server.options.http_url, server.options.grpc_address)
+    repo = TritonRepository.for_server(server.options)
     assert repo.instance_count("prefill") == 1
     policy = Policy(ttft_p95_s=0.05, window_s=6, scale_up_cooldown_s=3,
                     scale_down_cooldown_s=8, idle_fraction=0.3,
@@ -115,7 +115,7 @@ def test_reload_keeps_http_streams_whole(server: Server) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     n_tokens = 160
-    repo = TritonRepository(server.options.http_url, server.options.grpc_address)
+    repo = TritonRepository.for_server(server.options)
     with ThreadPoolExecutor(6) as pool:
         futures = [pool.submit(server.client.stream_collect, PROMPTS[i % len(PROMPTS)],
                                max_tokens=n_tokens, end_id=-1, route="aggregated")

@@ -39,7 +39,7 @@ def rank_pids() -> set[int]:
 @contextmanager
 def serving(server: Server, engines: dict[str, Path]) -> Iterator[None]:
     """Models (worker, prefill, decode) reloaded onto engine directories, restored after."""
-    repo = TritonRepository(server.options.http_url, server.options.grpc_address)
+    repo = TritonRepository.for_server(server.options)
     with ExitStack() as stack:
         for model, engine_dir in engines.items():
             stack.enter_context(repo.reloaded(model, engine_dir=str(engine_dir)))

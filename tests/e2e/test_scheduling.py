@@ -20,7 +20,7 @@ def test_tenants_take_turns_behind_a_long_queue(server: Server, tmp_path: Path) 
     in front of the worker, in arrival order, and B's came after them (40 of A's started
     between B's arrival and start)."""
     one_at_a_time = engine_variant(ENGINE_DIR, tmp_path / "batch1", max_num_seqs=1)
-    repo = TritonRepository(server.options.http_url, server.options.grpc_address)
+    repo = TritonRepository.for_server(server.options)
     started: dict[str, float] = {}
 
     def run(name: str, tenant: str) -> None:
