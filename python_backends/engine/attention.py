@@ -25,6 +25,11 @@ class PrefillSpan:
     end: int
     context_len: int  # tokens in the cache after this step, including the new ones
     context_slots: torch.Tensor  # [context_len] slots holding the context, in order
+    mask: torch.Tensor | None = None  # [n, context_len] causal mask when a context was cached
+
+    def to(self, device: torch.device) -> PrefillSpan:
+        return PrefillSpan(self.start, self.end, self.context_len,
+                           _to(self.context_slots, device), _opt(self.mask, device))
 
 
 @dataclass(frozen=True)
@@ -32,6 +37,10 @@ class DecodeBatch:
     token_index: torch.Tensor  # [B] index of each decoding token in the packed step
     slots: torch.Tensor  # [B, L] slots of each context, padded with slot 0
     mask: torch.Tensor  # [B, 1, 1, L] True where the slot belongs to the context
+
+    def to(self, device: torch.device) -> DecodeBatch:
+        return DecodeBatch(_to(self.token_index, device), _to(self.slots, device),
+                           _to(self.mask, device))
 
 
 @dataclass(frozen=True)
@@ -41,6 +50,32 @@ class AttentionMetadata:
     prefills: tuple[PrefillSpan, ...]
     decode: DecodeBatch | None
     logits_index: torch.Tensor  # [N] tokens whose logits are sampled
+
+    def to(self, device: torch.device) -> AttentionMetadata:
+        """The same metadata on `device` (built on the CPU, moved once per step)."""
+        if self.positions.device == device:
+            return self
+        return AttentionMetadata(
+            positions=_to(self.positions, device),
+            slot_mapping=_to(self.slot_mapping, device),
+            prefills=tuple(p.to(device) for p in self.prefills),
+            decode=self.decode.to(device) if self.decode is not None else None,
+            logits_index=_to(self.logits_index, device),
+        )
+
+
+def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return t.to(device, non_blocking=True)
+
+
+def _opt(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return None if t is None else _to(t, device)
+
+
+def causal_mask(n: int, context_len: int) -> torch.Tensor:
+    """[n, context_len]: query i (at position context_len - n + i) sees positions <= its own."""
+    rows = torch.arange(n).unsqueeze(1) + (context_len - n)
+    return torch.arange(context_len).unsqueeze(0) <= rows
 
 
 def write_kv(
@@ -72,11 +107,8 @@ def paged_attention(
         else:
             ks = cache[0].index_select(0, span.context_slots).transpose(0, 1)  # [K, C, D]
             vs = cache[1].index_select(0, span.context_slots).transpose(0, 1)
-            past = span.context_len - n
-            rows = torch.arange(n).unsqueeze(1) + past
-            mask = torch.arange(span.context_len).unsqueeze(0) <= rows  # [n, C]
             o = F.scaled_dot_product_attention(
-                qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True
+                qs, ks, vs, attn_mask=span.mask, scale=scale, enable_gqa=True
             )
         out[span.start : span.end] = o.transpose(0, 1)
     if meta.decode is not None:

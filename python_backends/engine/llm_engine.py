@@ -14,6 +14,7 @@ from python_backends.config import EngineConfig
 from python_backends.engine.block_manager import BlockManager
 from python_backends.engine.loader import load_model
 from python_backends.engine.model_runner import ModelRunner
+from python_backends.engine.placement import Placement
 from python_backends.engine.sampler import SampleResult, sample
 from python_backends.engine.scheduler import Scheduler, SchedulerOutput
 from python_backends.engine.sequence import (
@@ -94,9 +95,10 @@ class LLMEngine:
         if kv_pool is not None and kv_pool.shape != self.kv_layout.shape:
             raise ValueError(f"KV pool shape {tuple(kv_pool.shape)} != {self.kv_layout.shape}")
         self._handoff_pool = kv_pool
+        self.device = model.ctx.device
         work_pool = kv_pool if group is None else None
         if work_pool is None:
-            work_pool = allocate_pool(kv_layout(config, num_kv_blocks))
+            work_pool = allocate_pool(kv_layout(config, num_kv_blocks), device=self.device)
         self.blocks = BlockManager(num_kv_blocks, config.limits.block_size)
         self.scheduler = Scheduler(config.limits, self.blocks, enable_chunked_prefill, waiting)
         self.runner = ModelRunner(model, work_pool, config.limits.block_size, group)
@@ -109,19 +111,23 @@ class LLMEngine:
     def from_engine_dir(
         cls, engine_dir: str | Path, num_kv_blocks: int, enable_chunked_prefill: bool = True,
         waiting: WaitingQueue | None = None,
-        kv_pool: Callable[[KVLayout], torch.Tensor] | None = None,
+        kv_pool: Callable[[KVLayout, torch.device], torch.Tensor] | None = None,
+        placement: Placement | None = None,
     ) -> LLMEngine:
-        """`kv_pool`: makes the pool for the engine's layout (default: plain memory)."""
+        """`kv_pool`: makes the pool for the engine's layout on rank 0's device (default: plain
+        memory there). `placement`: where the instance's ranks compute (default: the CPU)."""
         config = EngineConfig.load(engine_dir)
+        devices = (placement or Placement()).devices(config.parallel.world_size)
         group = None
         if config.parallel.world_size > 1:
-            group = RankGroup(engine_dir, config, num_kv_blocks)
+            group = RankGroup(engine_dir, config, num_kv_blocks, devices)
         try:
-            model = load_model(engine_dir, config, group.ctx if group else None)
+            ctx = group.ctx if group else ParallelContext(config.parallel, device=devices[0])
+            model = load_model(engine_dir, config, ctx)
             if group is not None:
                 group.wait_ready()
             whole = kv_layout(config, num_kv_blocks, whole=True)
-            pool = kv_pool(whole) if kv_pool is not None else None
+            pool = kv_pool(whole, devices[0]) if kv_pool is not None else None
             return cls(config, model, num_kv_blocks, enable_chunked_prefill, waiting, pool, group)
         except BaseException:
             if group is not None:
@@ -139,7 +145,7 @@ class LLMEngine:
         if self.runner.group is None:
             return self.runner.kv_pool
         if self._handoff_pool is None:
-            self._handoff_pool = allocate_pool(self.kv_layout)
+            self._handoff_pool = allocate_pool(self.kv_layout, device=self.device)
         return self._handoff_pool
 
     def add_request(

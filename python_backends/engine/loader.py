@@ -36,7 +36,7 @@ def pack_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def load_model(
     engine_dir: str | Path, config: EngineConfig, ctx: ParallelContext | None = None
 ) -> LlamaForCausalLM:
-    """The weights of rank `ctx.rank` (default: the single-rank context)."""
+    """The weights of rank `ctx.rank` (default: the single-rank context), on `ctx.device`."""
     ctx = ctx or ParallelContext(config.parallel)
     path = Path(engine_dir) / config.weight_files()[ctx.rank]
     if not path.is_file():
@@ -44,7 +44,7 @@ def load_model(
     dtype = DTYPES[config.dtype]
     with torch.device("meta"):
         model = LlamaForCausalLM(config.model, ctx)
-    state = pack_weights(load_file(str(path)))
+    state = pack_weights(load_file(str(path), device=str(ctx.device)))
     tied = config.model.tie_word_embeddings and model.model.embed_tokens is not None
     expected = {k for k in model.state_dict() if not (tied and k == "lm_head.weight")}
     missing, unexpected = expected - state.keys(), state.keys() - expected
@@ -60,7 +60,7 @@ def load_model(
         config.model.head_dim, config.model.max_position_embeddings,
         config.model.rope_theta, config.model.rope_scaling,
     )
-    model = model.to(dtype).eval()
+    model = model.to(device=ctx.device, dtype=dtype).eval()
     model.pack_linears()
     return model
 

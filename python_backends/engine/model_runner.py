@@ -6,7 +6,12 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from python_backends.engine.attention import AttentionMetadata, DecodeBatch, PrefillSpan
+from python_backends.engine.attention import (
+    AttentionMetadata,
+    DecodeBatch,
+    PrefillSpan,
+    causal_mask,
+)
 from python_backends.engine.scheduler import ScheduledSequence, SchedulerOutput
 from python_backends.engine.sequence import Sequence
 from python_backends.models.llama import LlamaForCausalLM
@@ -18,7 +23,12 @@ class ModelRunner:
                  group: RankGroup | None = None) -> None:
         """`kv_pool`: [layers, 2, slots, kv_heads, head_dim] (see kv_transfer.layout), allocated
         once: the one region a KV transport maps or registers; this rank's slice under TP/PP.
-        `group`: the other ranks, when the engine has more than one."""
+        `group`: the other ranks, when the engine has more than one.
+
+        Steps are packed on the CPU and moved to the model's device once (see
+        AttentionMetadata.to); every rank moves its own copy."""
+        if kv_pool.device != model.ctx.device:
+            raise ValueError(f"KV pool on {kv_pool.device}, model on {model.ctx.device}")
         self.model = model
         self.group = group
         self.block_size = block_size
@@ -55,8 +65,11 @@ class ModelRunner:
                 decode_index.append(t)
                 decode_seqs.append(seq)
             else:
-                ctx = self._slots(seq, 0, end) if start > 0 else torch.empty(0, dtype=torch.long)
-                prefills.append(PrefillSpan(t, t + n, end, ctx))
+                if start > 0:
+                    prefills.append(PrefillSpan(t, t + n, end, self._slots(seq, 0, end),
+                                                causal_mask(n, end)))
+                else:
+                    prefills.append(PrefillSpan(t, t + n, end, torch.empty(0, dtype=torch.long)))
             t += n
             if item.samples:
                 logits_index.append(t - 1)
@@ -86,7 +99,8 @@ class ModelRunner:
         """Compute the step; returns logits [N, V] of the sampling sequences, in order."""
         if self.group is None:
             input_ids, meta, sampling = self.prepare(out.scheduled)
-            return self.model(input_ids, meta), sampling
+            device = self.model.ctx.device
+            return self.model(input_ids.to(device), meta.to(device)), sampling
         batches, sampling = [], []
         for part in self._micro_batches(out.scheduled):
             input_ids, meta, seqs = self.prepare(part)

@@ -30,6 +30,7 @@ def sample(seqs: list[Sequence], logits: torch.Tensor) -> SampleResult:
         return SampleResult(tokens.tolist(), logprobs)
     token_ids: list[int] = []
     logprobs_out: list[float] = []
+    logits = logits.cpu()  # row by row from here, with each sequence's (CPU) generator
     for i, seq in enumerate(seqs):
         token, lp = _sample_one(seq, logits[i])
         token_ids.append(token)

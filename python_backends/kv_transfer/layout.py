@@ -76,11 +76,17 @@ class KVLayout:
 HUGE_PAGE = 2 << 20
 
 
-def allocate_pool(layout: KVLayout, buffer: Any = None) -> torch.Tensor:
-    """A zeroed pool tensor, in `buffer` (a writable buffer of `layout.nbytes`) if given, else
+def allocate_pool(layout: KVLayout, buffer: Any = None,
+                  device: torch.device | None = None) -> torch.Tensor:
+    """A zeroed pool tensor: on `device` when that is not the CPU (one allocation there), else
+    in `buffer` (a writable buffer of `layout.nbytes`) if given, else
     in anonymous memory backed by transparent huge pages where the kernel allows: pulls over
     NIXL (UCX's cross-process copy) ran 2-3x faster from and into huge pages, and attention's
     gathers miss the TLB less."""
+    if device is not None and device.type != "cpu":
+        if buffer is not None:
+            raise ValueError(f"a KV pool on {device} cannot live in a host buffer")
+        return torch.zeros(layout.shape, dtype=layout.torch_dtype, device=device)
     offset = 0
     anonymous = buffer is None
     if anonymous:

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from python_backends.config import ParallelLayout
+from python_backends.engine.placement import CPU
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,7 @@ class ParallelContext:
     layout: ParallelLayout = field(default_factory=ParallelLayout)
     rank: int = 0  # in the engine's group: local rank + stage_size * pipeline stage
     group: Any = None  # torch.distributed group of this stage's ranks
+    device: torch.device = CPU  # where this rank's weights, KV slice and activations live
 
     @property
     def local_rank(self) -> int:
@@ -124,8 +126,15 @@ def timed(kind: str) -> Iterator[None]:
     if not COMM.enabled:
         yield
         return
+    _sync()  # on a GPU, time the transfer, not the kernels queued before it
     start = time.perf_counter()
     try:
         yield
     finally:
+        _sync()
         COMM.seconds[kind] = COMM.seconds.get(kind, 0.0) + time.perf_counter() - start
+
+
+def _sync() -> None:
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()

@@ -6,7 +6,9 @@ broadcasts the step's micro-batches (token ids and attention metadata: a few KB)
 computes its own part. Inside a stage the tensor-parallel ranks meet in the layers' collectives;
 between stages hidden states go point to point, one micro-batch at a time, so stage s works on
 micro-batch i + 1 while stage s + 1 works on micro-batch i. The last stage sends the logits to
-rank 0. gloo on CPU; every rank holds only its own shards and its own slice of the KV cache.
+rank 0. Every rank holds only its own shards and its own slice of the KV cache, on its own
+device (engine.placement): gloo on CPU; on GPUs NCCL moves the tensors and gloo the control
+messages (the step broadcast carries CPU tensors; each rank moves them to its GPU).
 
 A rank that dies is noticed before the next step (or by the failing collective) and reported as
 `RankFailure` naming the rank and its exit status; ranks die with their parent (PDEATHSIG), so
@@ -36,6 +38,7 @@ import torch.distributed as dist
 from python_backends.config import EngineConfig
 from python_backends.engine.attention import AttentionMetadata
 from python_backends.engine.loader import DTYPES
+from python_backends.engine.placement import CPU, dist_backend
 from python_backends.launcher import free_port
 from python_backends.models.llama import LlamaForCausalLM
 from python_backends.parallel.context import ParallelContext, timed
@@ -54,10 +57,13 @@ def _threads_per_rank(world_size: int) -> int:
 
 
 def join_group(rank: int, world_size: int, port: int, config: EngineConfig,
-               timeout_s: float) -> ParallelContext:
+               timeout_s: float, device: torch.device = CPU) -> ParallelContext:
     """Rendezvous of all ranks; every rank creates every stage's group (the calls must match
     across ranks) and keeps its own."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL's communicators bind to the current device
+    dist.init_process_group(dist_backend(device), init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank,
                             world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
     size = config.parallel.stage_size
@@ -66,7 +72,7 @@ def join_group(rank: int, world_size: int, port: int, config: EngineConfig,
         group = dist.new_group(list(range(stage * size, (stage + 1) * size)))
         if rank // size == stage:
             mine = group
-    return ParallelContext(config.parallel, rank, mine)
+    return ParallelContext(config.parallel, rank, mine, device)
 
 
 def run_stage(model: LlamaForCausalLM, ctx: ParallelContext, batches: Sequence[MicroBatch],
@@ -76,10 +82,10 @@ def run_stage(model: LlamaForCausalLM, ctx: ParallelContext, batches: Sequence[M
     cfg = model.config
     logits: list[torch.Tensor] = []
     sends: list[tuple[Any, torch.Tensor]] = []  # (pending isend, the tensor it reads)
-    for ids, meta in batches:
-        x = ids
+    for ids, cpu_meta in batches:
+        x, meta = ids.to(ctx.device), cpu_meta.to(ctx.device)
         if not ctx.is_first_stage:
-            x = torch.empty(len(ids), cfg.hidden_size, dtype=dtype)
+            x = torch.empty(len(ids), cfg.hidden_size, dtype=dtype, device=ctx.device)
             with timed("send_recv"):
                 dist.recv(x, src=ctx.rank_of(ctx.pp_rank - 1))
         y = model(x, meta)
@@ -94,7 +100,8 @@ def run_stage(model: LlamaForCausalLM, ctx: ParallelContext, batches: Sequence[M
     if ctx.rank == 0 and not ctx.is_last_stage:
         last = ctx.rank_of(ctx.layout.pp - 1, 0)
         for _, meta in batches:
-            buf = torch.empty(len(meta.logits_index), cfg.vocab_size, dtype=torch.float32)
+            buf = torch.empty(len(meta.logits_index), cfg.vocab_size, dtype=torch.float32,
+                              device=ctx.device)
             if len(buf):
                 with timed("send_recv"):
                     dist.recv(buf, src=last)
@@ -108,10 +115,13 @@ class RankGroup:
     """Rank 0's handle on the group: starts ranks 1..N-1, runs steps, stops them."""
 
     def __init__(self, engine_dir: str | Path, config: EngineConfig, num_kv_blocks: int,
+                 devices: Sequence[torch.device] | None = None,
                  timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        """`devices`: rank r's device (default: all on the CPU; see engine.placement)."""
         self.config = config
         self.dtype = DTYPES[config.dtype]
         world = config.parallel.world_size
+        devices = list(devices or [CPU] * world)
         torch.set_num_threads(_threads_per_rank(world))
         port = free_port()
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
@@ -120,11 +130,11 @@ class RankGroup:
             self.procs[rank] = subprocess.Popen(
                 [_python(), "-m", "python_backends.parallel.group", "--engine-dir",
                  str(engine_dir), "--rank", str(rank), "--port", str(port),
-                 "--num-kv-blocks", str(num_kv_blocks)],
+                 "--num-kv-blocks", str(num_kv_blocks), "--device", str(devices[rank])],
                 env={**os.environ, "OMP_NUM_THREADS": str(_threads_per_rank(world))},
             )
         try:
-            self.ctx = join_group(0, world, port, config, timeout_s)
+            self.ctx = join_group(0, world, port, config, timeout_s, devices[0])
         except Exception as e:
             self._kill()
             raise RankFailure(f"the engine's {world} ranks did not meet: {e}; "
@@ -222,6 +232,7 @@ def exchange_kv(ctx: ParallelContext, config: EngineConfig, pool: torch.Tensor,
     replicate attention hold the same KV); import_kv: from `whole` to every rank."""
     bs = config.limits.block_size
     slots = (torch.tensor(blocks).unsqueeze(1) * bs + torch.arange(bs)).reshape(-1)
+    slots = slots.to(pool.device)
     layout = config.parallel
     heads = config.model.num_kv_heads // layout.tp
     if ctx.rank != 0:
@@ -290,13 +301,15 @@ def rank_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--num-kv-blocks", type=int, required=True)
+    ap.add_argument("--device", type=torch.device, default=CPU)
     args = ap.parse_args(argv)
     _die_with_parent()
     config = EngineConfig.load(args.engine_dir)
     torch.set_num_threads(_threads_per_rank(config.parallel.world_size))
-    ctx = join_group(args.rank, config.parallel.world_size, args.port, config, STARTUP_TIMEOUT_S)
+    ctx = join_group(args.rank, config.parallel.world_size, args.port, config, STARTUP_TIMEOUT_S,
+                     args.device)
     model = load_model(args.engine_dir, config, ctx)
-    pool = allocate_pool(kv_layout(config, args.num_kv_blocks, args.rank))
+    pool = allocate_pool(kv_layout(config, args.num_kv_blocks, args.rank), device=args.device)
     ModelRunner(model, pool, config.limits.block_size)  # binds the layers to their KV slice
     dist.barrier()  # loaded: see RankGroup.wait_ready
     while True:

@@ -54,7 +54,7 @@ class MoE(nn.Module):
         ctx = self.ctx
         t = len(x)
         experts = chosen.reshape(-1)  # [t * k], token-major
-        tokens = torch.arange(t).repeat_interleave(self.top_k)
+        tokens = torch.arange(t, device=x.device).repeat_interleave(self.top_k)
         owner = experts // self.num_local
         order = torch.argsort(owner, stable=True)  # grouped by destination rank
         experts, tokens = experts[order], tokens[order]

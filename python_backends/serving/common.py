@@ -16,6 +16,7 @@ import triton_python_backend_utils as pb_utils
 
 from python_backends.cancel_board import BoardCache, CancelBoard
 from python_backends.config import DEFAULT_ENGINE_DIR, ENGINE_DIR_ENV
+from python_backends.engine.placement import Placement
 
 
 class ModelArgs:
@@ -25,6 +26,7 @@ class ModelArgs:
         self.model_name = args["model_name"]
         self.instance_name = args.get("model_instance_name", self.model_name)
         self.config: dict[str, Any] = json.loads(args["model_config"])
+        self.placement = Placement.from_triton_args(args)
 
     def param(self, key: str, default: str = "") -> str:
         value = self.config.get("parameters", {}).get(key, {}).get("string_value", "")
@@ -47,13 +49,21 @@ class ModelArgs:
         )
 
 
+# `kv_transports: auto`: what the instance's KV pool allows, fastest first.
+AUTO_TRANSPORTS = {False: "nixl,host_shm", True: "cuda_ipc,nixl"}  # by "on a GPU"
+
+
 def kv_transports(margs: ModelArgs, default: str = "") -> list[str]:
-    """The model's `kv_transports` parameter: comma-separated, in order of preference. NIXL is
-    left out, with a warning, where nixl-cu12 is not installed."""
+    """The model's `kv_transports` parameter: comma-separated, in order of preference, or
+    `auto` (AUTO_TRANSPORTS by the instance's kind). NIXL is left out, with a warning, where
+    nixl-cu12 is not installed."""
     from python_backends.kv_transfer import nixl
     from python_backends.kv_transfer.factory import TransportUnavailable, check_names
 
-    names = [n.strip() for n in margs.param("kv_transports", default).split(",") if n.strip()]
+    value = margs.param("kv_transports", default)
+    if value.strip() == "auto":
+        value = AUTO_TRANSPORTS[margs.placement.on_gpu]
+    names = [n.strip() for n in value.split(",") if n.strip()]
     try:
         check_names(names)
     except TransportUnavailable as e:

@@ -47,18 +47,18 @@ def prefill_response(result: PrefillResult) -> Any:
 class PrefillModel:
     def initialize(self, args: dict[str, str]) -> None:
         margs = ModelArgs(args)
-        transports = kv_transports(margs, default="nixl,host_shm")
+        transports = kv_transports(margs, default="auto")
         self._shared: SharedPool | None = None
 
-        def pool(layout: KVLayout) -> torch.Tensor:
-            if "host_shm" not in transports:
-                return allocate_pool(layout)
+        def pool(layout: KVLayout, device: torch.device) -> torch.Tensor:
+            if "host_shm" not in transports or device.type != "cpu":
+                return allocate_pool(layout, device=device)  # host_shm refuses a GPU pool
             self._shared = SharedPool.create(layout)
             return self._shared.tensor
 
         engine = LLMEngine.from_engine_dir(
             margs.engine_dir(), num_kv_blocks=margs.int_param("kv_cache_blocks", 512),
-            kv_pool=pool,
+            kv_pool=pool, placement=margs.placement,
         )
         try:
             sources = make_sources(transports, engine.kv_pool, margs.model_name,

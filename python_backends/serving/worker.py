@@ -84,6 +84,7 @@ class WorkerModel:
             num_kv_blocks=margs.int_param("kv_cache_blocks", 1024),
             enable_chunked_prefill=margs.param("enable_chunked_prefill", "true") == "true",
             waiting=PriorityFairQueue(weights),
+            placement=margs.placement,
         )
         self.metrics = EngineMetrics(margs.model_name, margs.instance_name)
         self._pending: dict[str, _Pending] = {}

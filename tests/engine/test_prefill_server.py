@@ -28,7 +28,7 @@ N_OUT = 12
 def prefill(tiny_llama: TinyModel) -> Iterator[PrefillServer]:
     shared: list[SharedPool] = []
 
-    def pool(layout: Any) -> Any:
+    def pool(layout: Any, device: Any) -> Any:
         shared.append(SharedPool.create(layout))
         return shared[0].tensor
 
