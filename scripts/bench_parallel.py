@@ -14,7 +14,8 @@ model, measured in the same run.
     python scripts/bench_parallel.py --layouts tp1,tp2,moe-ep1,moe-ep2 --decode-steps 64
 
 On a 2-core machine every extra rank shares the same cores, so the figures show each pattern's
-overhead, not a speed-up.
+overhead, not a speed-up. `--gpu`: rank r on GPU r, NCCL between them; layouts needing more
+GPUs than are visible are left out (named).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch
 from python_backends.config import EngineLimits, ParallelLayout
 from python_backends.engine.builder import write_engine
 from python_backends.engine.llm_engine import LLMEngine
+from python_backends.engine.placement import Placement
 from python_backends.engine.sequence import SamplingParams
 from python_backends.parallel.context import COMM
 
@@ -70,7 +72,8 @@ def build(root: Path, specs: list[str], args: argparse.Namespace) -> dict[str, P
 
 
 def measure(engine_dir: Path, args: argparse.Namespace) -> dict[str, dict[str, float]]:
-    engine = LLMEngine.from_engine_dir(engine_dir, num_kv_blocks=512)
+    placement = Placement("GPU", 0) if args.gpu else Placement()
+    engine = LLMEngine.from_engine_dir(engine_dir, num_kv_blocks=512, placement=placement)
     try:
         g = torch.Generator().manual_seed(1)
         for i in range(args.batch):
@@ -108,8 +111,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--decode-steps", type=int, default=24)
+    ap.add_argument("--gpu", action="store_true", help="run on GPUs (rank r on GPU r)")
     args = ap.parse_args(argv)
     specs = args.layouts.split(",")
+    if args.gpu:
+        visible = torch.cuda.device_count()
+        too_big = [s for s in specs if parse_layout(s)[1].world_size > visible]
+        if too_big:
+            print(f"[bench_parallel] {visible} GPU(s) visible: leaving out {', '.join(too_big)}")
+        specs = [s for s in specs if s not in too_big]
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         print(f"[bench_parallel] building {len(specs)} engines ...", flush=True)

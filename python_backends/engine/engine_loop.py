@@ -10,6 +10,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from python_backends.engine.llm_engine import KVFetch, LLMEngine, TokenEvent
 from python_backends.engine.sequence import SamplingParams
 
@@ -145,6 +147,8 @@ class EngineLoop:
                 self._on_finished_early(seq.seq_id, None)
 
     def _run(self) -> None:
+        if self.engine.device.type == "cuda":  # the current CUDA device is per thread
+            torch.cuda.set_device(self.engine.device)
         while not self._stopping:
             self._drain(block=not self.engine.has_unfinished)
             if self._stopping:

@@ -96,6 +96,7 @@ class LLMEngine:
             raise ValueError(f"KV pool shape {tuple(kv_pool.shape)} != {self.kv_layout.shape}")
         self._handoff_pool = kv_pool
         self.device = model.ctx.device
+        self.devices = group.devices if group is not None else [self.device]  # rank r's
         work_pool = kv_pool if group is None else None
         if work_pool is None:
             work_pool = allocate_pool(kv_layout(config, num_kv_blocks), device=self.device)

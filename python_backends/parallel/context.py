@@ -25,6 +25,7 @@ class ParallelContext:
     rank: int = 0  # in the engine's group: local rank + stage_size * pipeline stage
     group: Any = None  # torch.distributed group of this stage's ranks
     device: torch.device = CPU  # where this rank's weights, KV slice and activations live
+    logits_group: Any = None  # rank 0 and the last stage's first rank (pipeline parallelism)
 
     @property
     def local_rank(self) -> int:

@@ -59,20 +59,30 @@ def _threads_per_rank(world_size: int) -> int:
 def join_group(rank: int, world_size: int, port: int, config: EngineConfig,
                timeout_s: float, device: torch.device = CPU) -> ParallelContext:
     """Rendezvous of all ranks; every rank creates every stage's group (the calls must match
-    across ranks) and keeps its own."""
+    across ranks) and keeps its own.
+
+    Under pipeline parallelism the last stage returns logits to rank 0 over a group of its
+    own: rank 0 and the last stage's first rank also pass hidden states forward, and on NCCL
+    one pair's sends and receives share one stream, where rank 0's send of micro-batch i + 1
+    would wait for a receive queued behind the logits of micro-batch i."""
     if device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL's communicators bind to the current device
     dist.init_process_group(dist_backend(device), init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank,
                             world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
-    size = config.parallel.stage_size
+    layout = config.parallel
+    size = layout.stage_size
     mine = None
-    for stage in range(config.parallel.pp):
+    for stage in range(layout.pp):
         group = dist.new_group(list(range(stage * size, (stage + 1) * size)))
         if rank // size == stage:
             mine = group
-    return ParallelContext(config.parallel, rank, mine, device)
+    logits_group = None
+    if layout.pp > 1:
+        last = (layout.pp - 1) * size  # the last stage's first rank
+        logits_group = dist.new_group([0, last])
+    return ParallelContext(layout, rank, mine, device, logits_group)
 
 
 def run_stage(model: LlamaForCausalLM, ctx: ParallelContext, batches: Sequence[MicroBatch],
@@ -96,7 +106,7 @@ def run_stage(model: LlamaForCausalLM, ctx: ParallelContext, batches: Sequence[M
             logits.append(y)
         elif ctx.local_rank == 0 and len(y):
             with timed("send_recv"):
-                sends.append((dist.isend(y, dst=0), y))
+                sends.append((dist.isend(y, dst=0, group=ctx.logits_group), y))
     if ctx.rank == 0 and not ctx.is_last_stage:
         last = ctx.rank_of(ctx.layout.pp - 1, 0)
         for _, meta in batches:
@@ -104,7 +114,7 @@ def run_stage(model: LlamaForCausalLM, ctx: ParallelContext, batches: Sequence[M
                               device=ctx.device)
             if len(buf):
                 with timed("send_recv"):
-                    dist.recv(buf, src=last)
+                    dist.recv(buf, src=last, group=ctx.logits_group)
             logits.append(buf)
     for work, _ in sends:
         work.wait()
@@ -121,7 +131,7 @@ class RankGroup:
         self.config = config
         self.dtype = DTYPES[config.dtype]
         world = config.parallel.world_size
-        devices = list(devices or [CPU] * world)
+        self.devices = devices = list(devices or [CPU] * world)
         torch.set_num_threads(_threads_per_rank(world))
         port = free_port()
         self.procs: dict[int, subprocess.Popen[bytes]] = {}

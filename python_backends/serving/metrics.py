@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from typing import Any
 
 import triton_python_backend_utils as pb_utils
@@ -88,9 +89,18 @@ class EngineMetrics:
                            "cache")):
             _metric(name, doc, pb_utils.MetricFamily.COUNTER, labels)
         self._labels = labels
+        self._placement: list[Metric] = []
         self._publish_lock = threading.Lock()
         self._last_publish = 0.0
         self._priorities_seen: dict[str, set[int]] = {"running": set(), "waiting": set()}
+
+    def place(self, devices: list[str]) -> None:
+        """Where the instance's ranks run (once, at load): `llm_engine_ranks` per device."""
+        for device, n in Counter(devices).items():
+            gauge = _metric("llm_engine_ranks", "Ranks of the instance's engine on each device",
+                            pb_utils.MetricFamily.GAUGE, {**self._labels, "device": device})
+            gauge.set(n)
+            self._placement.append(gauge)
 
     def observe(self, ev: TokenEvent) -> None:
         """A token event's latencies (loop thread)."""
@@ -114,7 +124,7 @@ class EngineMetrics:
         a finalized stub's series on the metrics port, so they must not show a stale load."""
         with self._publish_lock:
             for gauge in (self.blocks_used, self.blocks_total, self.usage, self.running,
-                          self.waiting, self.healthy):
+                          self.waiting, self.healthy, *self._placement):
                 gauge.set(0)
             for state, seen in self._priorities_seen.items():
                 for priority in seen:

@@ -23,6 +23,8 @@ def test_metrics_present_and_moving(server: Server) -> None:
         assert {dict(k)["model"] for k in before[name]} == {"worker", "prefill", "decode"}
     assert metric_sum(before, "llm_kv_cache_blocks_total", instance="worker_0_0") == 1024
     assert metric_sum(before, "llm_engine_healthy", instance="worker_0_0") == 1
+    assert metric_sum(before, "llm_engine_ranks", instance="worker_0_0", device="cpu") == 1
+    assert metric_sum(before, "llm_engine_ranks", instance="prefill_0_0", device="cpu") == 1
     assert metric_sum(before, "llm_kv_cache_blocks_total", instance="prefill_0_0") == 512
     result = server.client.stream_collect("Count to ten:", max_tokens=12, end_id=-1,
                                           route="aggregated")

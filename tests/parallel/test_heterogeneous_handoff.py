@@ -38,8 +38,9 @@ def hand_over(prefill: LLMEngine, decode: LLMEngine, batch: list[list[int]]) -> 
         assert ev.kv_blocks
 
         def fetch(blocks: list[int], src: tuple[int, ...] = ev.kv_blocks) -> bool:
-            decode.kv_pool.index_copy_(2, slots(blocks, bs),
-                                       prefill.kv_pool.index_select(2, slots(src, bs)))
+            src_kv = prefill.kv_pool.index_select(2, slots(src, bs).to(prefill.device))
+            decode.kv_pool.index_copy_(2, slots(blocks, bs).to(decode.device),
+                                       src_kv.to(decode.device))
             return True
 
         decode.add_handoff(f"s{i}", p, ev.token_id, 0.0, SamplingParams(max_tokens=N),
