@@ -120,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
         if too_big:
             print(f"[bench_parallel] {visible} GPU(s) visible: leaving out {', '.join(too_big)}")
         specs = [s for s in specs if s not in too_big]
+        if not specs:
+            print("[bench_parallel] --gpu: no layout fits the visible GPUs", file=sys.stderr)
+            return 2
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         print(f"[bench_parallel] building {len(specs)} engines ...", flush=True)
