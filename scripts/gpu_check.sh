@@ -18,6 +18,7 @@ OUT_DIR=${1:-gpu-check}
 mkdir -p "$OUT_DIR"
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the project need not be installed there
 status=0
 
 step() {  # step NAME COMMAND...: run, keep its output, remember a failure

@@ -20,7 +20,7 @@ from tests.conftest import TinyModel, make_tiny_llama, prompts
 from tests.engine.test_llm_engine import run_all
 from tests.parallel.test_heterogeneous_handoff import N, hand_over
 from tests.parallel.test_moe import make_tiny_mixtral
-from tests.parallel.test_parallel_engine import SHAPE
+from tests.parallel.test_parallel_engine import SHAPE, check_layout
 
 pytestmark = pytest.mark.gpu
 GPU = Placement("GPU", 0)
@@ -72,12 +72,7 @@ def test_sampling_on_gpu_logits_is_seeded(tiny_llama: TinyModel) -> None:
 def test_nccl_layouts_match_hf(tmp_path: Path, tp: int, pp: int) -> None:
     model = make_tiny_llama(tmp_path / "e", seed=21, parallel=ParallelLayout(tp=tp, pp=pp),
                             **SHAPE)
-    engine = model.engine(placement=GPU)
-    try:
-        batch = [[t % 250 for t in p] for p in prompts(6, seed=11, hi=30)]
-        assert run_all(engine, batch, 12) == [model.greedy(p, 12) for p in batch]
-    finally:
-        engine.close()
+    check_layout(model, placement=GPU)
 
 
 @pytest.mark.parametrize("layout", [
@@ -85,13 +80,7 @@ def test_nccl_layouts_match_hf(tmp_path: Path, tp: int, pp: int) -> None:
     pytest.param(ParallelLayout(tp=2, ep=2), marks=gpus(2)),
 ], ids=["ep2", "tp2-ep2"])
 def test_nccl_experts_match_hf(tmp_path: Path, layout: ParallelLayout) -> None:
-    model = make_tiny_mixtral(tmp_path / "e", layout)
-    engine = model.engine(placement=GPU)
-    try:
-        batch = [[t % 250 for t in p] for p in prompts(6, seed=11, hi=30)]
-        assert run_all(engine, batch, 12) == [model.greedy(p, 12) for p in batch]
-    finally:
-        engine.close()
+    check_layout(make_tiny_mixtral(tmp_path / "e", layout), placement=GPU)
 
 
 @pytest.mark.parametrize("prefill_layout,decode_layout", [

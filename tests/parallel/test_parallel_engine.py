@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 from python_backends.config import EngineConfig, EngineConfigError, EngineLimits, ParallelLayout
 from python_backends.engine.builder import write_engine
+from python_backends.engine.placement import Placement
 from python_backends.engine.sequence import SamplingParams
 from tests.conftest import TinyModel, make_tiny_llama, prompts
 from tests.engine.test_llm_engine import run_all
@@ -36,9 +37,11 @@ def children() -> set[int]:
     return out
 
 
-def check_layout(model: TinyModel, n_prompts: int = 6, n_tokens: int = 12) -> None:
+def check_layout(model: TinyModel, n_prompts: int = 6, n_tokens: int = 12,
+                 placement: Placement | None = None) -> None:
+    """The engine's greedy output equals HF's, and no rank process outlives it."""
     before = children()
-    engine = model.engine()
+    engine = model.engine(placement=placement)
     try:
         batch = prompts(n_prompts, seed=11, hi=30)
         batch = [[t % 250 for t in p] for p in batch]
