@@ -72,6 +72,7 @@ class EngineStats:
     waiting_by_priority: dict[int, int]
     ranks_alive: int = 1  # of the engine's parallel group; fewer than ranks_total: unhealthy
     ranks_total: int = 1
+    devices: tuple[str, ...] = ("cpu",)  # rank r's device
 
 
 class LLMEngine:
@@ -282,6 +283,7 @@ class LLMEngine:
             waiting_by_priority=dict(Counter(s.priority for s in self.scheduler.waiting)),
             ranks_alive=self.runner.group.ranks_alive if self.runner.group else 1,
             ranks_total=self.config.parallel.world_size,
+            devices=tuple(str(d) for d in self.devices),
         )
 
 

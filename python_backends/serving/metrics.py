@@ -89,18 +89,10 @@ class EngineMetrics:
                            "cache")):
             _metric(name, doc, pb_utils.MetricFamily.COUNTER, labels)
         self._labels = labels
-        self._placement: list[Metric] = []
+        self._placement: dict[str, Metric] = {}  # by device
         self._publish_lock = threading.Lock()
         self._last_publish = 0.0
         self._priorities_seen: dict[str, set[int]] = {"running": set(), "waiting": set()}
-
-    def place(self, devices: list[str]) -> None:
-        """Where the instance's ranks run (once, at load): `llm_engine_ranks` per device."""
-        for device, n in Counter(devices).items():
-            gauge = _metric("llm_engine_ranks", "Ranks of the instance's engine on each device",
-                            pb_utils.MetricFamily.GAUGE, {**self._labels, "device": device})
-            gauge.set(n)
-            self._placement.append(gauge)
 
     def observe(self, ev: TokenEvent) -> None:
         """A token event's latencies (loop thread)."""
@@ -124,7 +116,7 @@ class EngineMetrics:
         a finalized stub's series on the metrics port, so they must not show a stale load."""
         with self._publish_lock:
             for gauge in (self.blocks_used, self.blocks_total, self.usage, self.running,
-                          self.waiting, self.healthy, *self._placement):
+                          self.waiting, self.healthy, *self._placement.values()):
                 gauge.set(0)
             for state, seen in self._priorities_seen.items():
                 for priority in seen:
@@ -153,6 +145,14 @@ class EngineMetrics:
             seen.update(counts)
             for priority in seen:  # a class that emptied reads 0, not its last count
                 self._by_priority(state, priority).set(counts.get(priority, 0))
+        # Republished like the rest: a reloaded instance's predecessor zeroes the same series
+        # when it retires, possibly after this one started.
+        for device, n in Counter(stats.devices).items():
+            if device not in self._placement:
+                self._placement[device] = _metric(
+                    "llm_engine_ranks", "Ranks of the instance's engine on each device",
+                    pb_utils.MetricFamily.GAUGE, {**self._labels, "device": device})
+            self._placement[device].set(n)
         if stats.busy_seconds > self._busy_published:
             self.busy.increment(stats.busy_seconds - self._busy_published)
             self._busy_published = stats.busy_seconds

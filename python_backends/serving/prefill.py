@@ -66,7 +66,6 @@ class PrefillModel:
         except TransportUnavailable as e:
             raise pb_utils.TritonModelException(f"{margs.model_name}: {e}") from None
         self.metrics = EngineMetrics(margs.model_name, margs.instance_name)
-        self.metrics.place([str(d) for d in engine.devices])
         self.kv_metrics = KVTransferMetrics(margs.model_name, margs.instance_name)
         self.outbox = Outbox()
         self.server = PrefillServer(

@@ -87,7 +87,6 @@ class WorkerModel:
             placement=margs.placement,
         )
         self.metrics = EngineMetrics(margs.model_name, margs.instance_name)
-        self.metrics.place([str(d) for d in engine.devices])
         self._pending: dict[str, _Pending] = {}
         self._boards = BoardCache()
         transports = kv_transports(margs)
