@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from python_backends import procfs
 from python_backends.watchdog import StubWatchdog
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -253,17 +254,9 @@ def _wait_group_gone(pgid: int, timeout_s: float = 10.0) -> None:
     """Wait until no live (non-zombie) process of the group is left."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if not any(_in_group_alive(int(pid), pgid) for pid in os.listdir("/proc") if pid.isdigit()):
+        if not any(p.pgrp == pgid and p.running for p in procfs.processes()):
             return
         time.sleep(0.1)
-
-
-def _in_group_alive(pid: int, pgid: int) -> bool:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return False
-    return int(fields[2]) == pgid and fields[0] != "Z"  # fields: state, ppid, pgrp, ...
 
 
 def free_port() -> int:

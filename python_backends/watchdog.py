@@ -25,9 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from python_backends import procfs
+
 log = logging.getLogger(__name__)
 STUB_BINARY = "triton_python_backend_stub"
-PROC = Path("/proc")
 
 
 @dataclass(frozen=True)
@@ -37,33 +38,15 @@ class Stub:
     instance: str
 
 
-def _stat(pid: str) -> tuple[str, int] | None:
-    """(state, parent pid) of a process, None if it is gone."""
-    try:
-        stat = (PROC / pid / "stat").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2:].split()  # the command name may hold spaces
-    return fields[0], int(fields[1])
-
-
 def live_stubs(server_pid: int) -> list[Stub]:
     """The Python-backend stubs of a tritonserver process that are running (not zombies)."""
     stubs = []
-    for entry in PROC.iterdir():
-        if not entry.name.isdigit():
+    for proc in procfs.running_children(server_pid):
+        argv = proc.cmdline()
+        if argv is None or len(argv) < 9 or not argv[0].endswith(STUB_BINARY):
             continue
-        stat = _stat(entry.name)
-        if stat is None or stat[1] != server_pid or stat[0] == "Z":
-            continue
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if len(argv) < 9 or not argv[0].endswith(STUB_BINARY.encode()):
-            continue
-        model_file = Path(argv[1].decode())  # <repository>/<model>/<version>/model.py
-        stubs.append(Stub(int(entry.name), model_file.parent.parent.name, argv[8].decode()))
+        model_file = Path(argv[1])  # <repository>/<model>/<version>/model.py
+        stubs.append(Stub(proc.pid, model_file.parent.parent.name, argv[8]))
     return stubs
 
 

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from python_backends import procfs
 from python_backends.autoscaler import TritonRepository
 from python_backends.client import as_list
 from python_backends.config import EngineConfig, ParallelLayout
@@ -25,15 +26,7 @@ RANK_MODULE = "python_backends.parallel.group"
 
 
 def rank_pids() -> set[int]:
-    pids = set()
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if RANK_MODULE.encode() in cmdline:
-            pids.add(int(pid))
-    return pids
+    return {p.pid for p in procfs.processes() if p.running and RANK_MODULE in (p.cmdline() or [])}
 
 
 @contextmanager

@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from python_backends import procfs
 from python_backends.config import EngineConfig, EngineConfigError, EngineLimits, ParallelLayout
 from python_backends.engine.builder import write_engine
 from python_backends.engine.placement import Placement
@@ -25,16 +26,7 @@ SHAPE: dict[str, Any] = dict(num_attention_heads=8, num_key_value_heads=4, hidde
 
 
 def children() -> set[int]:
-    me = str(os.getpid())
-    out = set()
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if stat[1] == me and stat[0] != "Z":
-            out.add(int(pid))
-    return out
+    return {p.pid for p in procfs.running_children(os.getpid())}
 
 
 def check_layout(model: TinyModel, n_prompts: int = 6, n_tokens: int = 12,

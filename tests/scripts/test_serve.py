@@ -22,6 +22,7 @@ import requests
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from python_backends import procfs
 from python_backends.client import scrape
 from python_backends.launcher import API_KEY_HEADER, GRPC_API_KEY_HEADER, SHM_DIR, free_port
 
@@ -72,11 +73,8 @@ def _grpc_generate(port: int, headers: dict[str, str]) -> str:
 
 def _running(pid: int) -> bool:
     """Alive and not a zombie waiting to be reaped."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
+    proc = procfs.process(pid)
+    return proc is not None and proc.running
 
 
 def _tight_repository(tmp_path: Path) -> Path:

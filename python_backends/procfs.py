@@ -1,0 +1,52 @@
+"""The process table, read from /proc (Linux): what the launcher, the stub watchdog and the
+tests need to know about processes they did not start themselves or cannot wait for."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+PROC = Path("/proc")
+
+
+@dataclass(frozen=True)
+class Process:
+    pid: int
+    state: str  # R, S, D, Z (zombie: exited, not yet reaped), ...
+    ppid: int
+    pgrp: int
+
+    @property
+    def running(self) -> bool:
+        """Alive: not a zombie waiting to be reaped."""
+        return self.state != "Z"
+
+    def cmdline(self) -> list[str] | None:
+        """argv, None if the process is gone."""
+        try:
+            raw = (PROC / str(self.pid) / "cmdline").read_bytes()
+        except OSError:
+            return None
+        return raw.decode(errors="replace").split("\0")[:-1]
+
+
+def process(pid: int | str) -> Process | None:
+    """The process `pid`, None if it is gone."""
+    try:
+        stat = (PROC / str(pid) / "stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()  # the command name may hold spaces
+    return Process(int(pid), fields[0], int(fields[1]), int(fields[2]))
+
+
+def processes() -> Iterator[Process]:
+    """Every process visible now (ones that exit while this runs are left out)."""
+    for entry in PROC.iterdir():
+        if entry.name.isdigit() and (p := process(entry.name)) is not None:
+            yield p
+
+
+def running_children(ppid: int) -> list[Process]:
+    return [p for p in processes() if p.ppid == ppid and p.running]
