@@ -85,6 +85,7 @@ class StubWatchdog:
         self._stubs = stubs
         self._clock = clock
         self._missing_since: dict[str, float] = {}
+        self._configs: dict[str, dict[str, Any]] = {}  # READY models' configs, as last read
         self._failed: set[str] = set()  # instances whose reload failed: reported once
         self.restarts: list[tuple[str, str]] = []
         self._stop = threading.Event()
@@ -92,11 +93,19 @@ class StubWatchdog:
 
     def check(self) -> list[str]:
         """One look; returns the models reloaded."""
-        running = {s.instance for s in self._stubs(self.server_pid)}
+        stubs = self._stubs(self.server_pid)
+        running = {s.instance for s in stubs}
         now = self._clock()
         dead: dict[str, list[str]] = {}
-        for model in self.repo.ready_models():
-            config = self.repo.config(model)
+        ready = self.repo.ready_models()
+        self._configs = {m: c for m, c in self._configs.items() if m in ready}
+        for model in ready:
+            config = self._configs.get(model)
+            if config is None or (config.get("backend") == "python" and expected_instances(config)
+                                  != {s.instance for s in stubs if s.model == model}):
+                # First look, or its stubs differ from what its config said: read it again
+                # (a reload may have changed the instance groups).
+                config = self._configs[model] = self.repo.config(model)
             if config.get("backend") != "python":
                 continue
             for instance in expected_instances(config):

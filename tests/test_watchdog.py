@@ -20,11 +20,13 @@ class FakeRepo:
         self.configs = configs
         self.restarted: list[str] = []
         self.fail = fail
+        self.config_reads = 0
 
     def ready_models(self) -> list[str]:
         return list(self.configs)
 
     def config(self, model: str) -> dict[str, Any]:
+        self.config_reads += 1
         return self.configs[model]
 
     def restart(self, model: str) -> None:
@@ -116,3 +118,21 @@ def _eventually(condition: Callable[[], bool], timeout_s: float = 10.0) -> bool:
             return False
         time.sleep(0.05)
     return True
+
+
+def test_configs_are_read_again_only_when_an_instance_is_missing() -> None:
+    repo = FakeRepo({"prefill": python_model("prefill", 1),
+                     "ensemble": {"name": "ensemble", "platform": "ensemble"}})
+    running = [Stub(1, "prefill", "prefill_0_0")]
+    clock = Clock()
+    dog = StubWatchdog(1, repo, report=lambda _l: None, stubs=lambda _pid: running, clock=clock)
+    for _ in range(5):
+        dog.check()
+    assert repo.config_reads == 2  # once per model while nothing changes
+    repo.configs["prefill"] = python_model("prefill", 2)  # scaled up: a second instance
+    running.append(Stub(2, "prefill", "prefill_0_1"))
+    dog.check()
+    running.pop()  # ... whose stub dies: the cached config (one instance) would miss it
+    dog.check()
+    clock.t = 10.0
+    assert dog.check() == ["prefill"] and repo.config_reads > 2
