@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from python_backends.config import EngineLimits
-from python_backends.engine.sequence import SamplingParams
+from python_backends.engine.params import SamplingParams
 from python_backends.kv_transfer import TRANSPORTS
 from python_backends.scheduler.admission import DEFAULT_TENANT
 

@@ -32,8 +32,8 @@ import torch
 from python_backends.config import EngineLimits, ParallelLayout
 from python_backends.engine.builder import write_engine
 from python_backends.engine.llm_engine import LLMEngine
+from python_backends.engine.params import SamplingParams
 from python_backends.engine.placement import Placement
-from python_backends.engine.sequence import SamplingParams
 from python_backends.parallel.context import COMM
 
 KINDS = ("broadcast", "all_reduce", "all_gather", "all_to_all", "send_recv")

@@ -21,7 +21,7 @@ from python_backends.client import percentile
 from python_backends.config import DEFAULT_ENGINE_DIR, EngineConfig, EngineLimits
 from python_backends.engine.llm_engine import LLMEngine
 from python_backends.engine.loader import load_model
-from python_backends.engine.sequence import SamplingParams
+from python_backends.engine.params import SamplingParams
 from python_backends.engine.waiting_queue import PriorityFairQueue
 from python_backends.models.llama import LlamaForCausalLM
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from python_backends.engine.llm_engine import KVFetch, LLMEngine, TokenEvent
-from python_backends.engine.sequence import SamplingParams
+from python_backends.engine.params import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -14,15 +14,11 @@ from python_backends.config import EngineConfig
 from python_backends.engine.block_manager import BlockManager
 from python_backends.engine.loader import load_model
 from python_backends.engine.model_runner import ModelRunner
+from python_backends.engine.params import FinishReason, SamplingParams
 from python_backends.engine.placement import Placement
 from python_backends.engine.sampler import SampleResult, sample
 from python_backends.engine.scheduler import Scheduler, SchedulerOutput
-from python_backends.engine.sequence import (
-    FinishReason,
-    SamplingParams,
-    Sequence,
-    SequenceStatus,
-)
+from python_backends.engine.sequence import Sequence, SequenceStatus
 from python_backends.engine.waiting_queue import WaitingQueue
 from python_backends.kv_transfer.layout import KVLayout, allocate_pool
 from python_backends.models.llama import LlamaForCausalLM

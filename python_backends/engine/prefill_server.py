@@ -20,7 +20,7 @@ from functools import partial
 from python_backends.cancel_board import CancelBoard
 from python_backends.engine.engine_loop import EngineLoop
 from python_backends.engine.llm_engine import LLMEngine, TokenEvent
-from python_backends.engine.sequence import FinishReason, SamplingParams
+from python_backends.engine.params import FinishReason, SamplingParams
 from python_backends.kv_transfer.base import KVHandle, KVSource
 from python_backends.kv_transfer.leases import LeaseTable, Reaped
 

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from python_backends.engine.sequence import SamplingParams, Sequence
+from python_backends.engine.params import SamplingParams
+from python_backends.engine.sequence import Sequence
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,9 @@ from dataclasses import dataclass
 
 from python_backends.config import EngineLimits
 from python_backends.engine.block_manager import BlockManager
+from python_backends.engine.params import FinishReason
 from python_backends.engine.sampler import SampleResult
-from python_backends.engine.sequence import FinishReason, Sequence, SequenceStatus
+from python_backends.engine.sequence import Sequence, SequenceStatus
 from python_backends.engine.waiting_queue import FcfsQueue, WaitingQueue
 
 

@@ -11,13 +11,14 @@ from __future__ import annotations
 import contextlib
 import mmap
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from python_backends.config import DTYPE_BYTES
 
+if TYPE_CHECKING:  # torch only where a pool is allocated: the scheduler's stub reads layouts
+    import torch
 
 @dataclass(frozen=True)
 class KVLayout:
@@ -39,12 +40,14 @@ class KVLayout:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        import torch
+
+        return getattr(torch, self.dtype)
 
     @property
     def block_range_bytes(self) -> int:
         """Bytes of one block in one (layer, K or V) plane."""
-        return self.block_size * self.num_kv_heads * self.head_dim * self.torch_dtype.itemsize
+        return self.block_size * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
 
     @property
     def plane_bytes(self) -> int:
@@ -83,6 +86,8 @@ def allocate_pool(layout: KVLayout, buffer: Any = None,
     in anonymous memory backed by transparent huge pages where the kernel allows: pulls over
     NIXL (UCX's cross-process copy) ran 2-3x faster from and into huge pages, and attention's
     gathers miss the TLB less."""
+    import torch
+
     if device is not None and device.type != "cpu":
         if buffer is not None:
             raise ValueError(f"a KV pool on {device} cannot live in a host buffer")

@@ -9,14 +9,16 @@ import queue
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from python_backends.cancel_board import BoardCache, CancelBoard
 from python_backends.config import DEFAULT_ENGINE_DIR, ENGINE_DIR_ENV
-from python_backends.engine.placement import Placement
+
+if TYPE_CHECKING:
+    from python_backends.engine.placement import Placement
 
 
 class ModelArgs:
@@ -26,7 +28,14 @@ class ModelArgs:
         self.model_name = args["model_name"]
         self.instance_name = args.get("model_instance_name", self.model_name)
         self.config: dict[str, Any] = json.loads(args["model_config"])
-        self.placement = Placement.from_triton_args(args)
+        self._args = args
+
+    @property
+    def placement(self) -> Placement:
+        """Where Triton put this instance (imported here: front-end models need no torch)."""
+        from python_backends.engine.placement import Placement
+
+        return Placement.from_triton_args(self._args)
 
     def param(self, key: str, default: str = "") -> str:
         value = self.config.get("parameters", {}).get(key, {}).get("string_value", "")

@@ -8,13 +8,15 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import triton_python_backend_utils as pb_utils
 
-from python_backends.engine.llm_engine import EngineStats, LLMEngine, TokenEvent
 from python_backends.scheduler.admission import DEFAULT_TENANT
 from python_backends.scheduler.stream import RequestStream
+
+if TYPE_CHECKING:  # the scheduler's stub loads this module and needs no torch
+    from python_backends.engine.llm_engine import EngineStats, LLMEngine, TokenEvent
 
 FINISH_REASONS = ("stop", "length")
 ROUTES = ("aggregated", "disaggregated", "disaggregated_fallback")

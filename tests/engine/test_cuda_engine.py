@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from python_backends.config import EngineLimits, ParallelLayout
+from python_backends.engine.params import SamplingParams
 from python_backends.engine.placement import Placement
-from python_backends.engine.sequence import SamplingParams
 from tests.conftest import TinyModel, make_tiny_llama, prompts
 from tests.engine.test_llm_engine import run_all
 from tests.parallel.test_heterogeneous_handoff import N, hand_over

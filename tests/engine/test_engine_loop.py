@@ -7,7 +7,7 @@ import time
 
 from python_backends.engine.engine_loop import EngineLoop
 from python_backends.engine.llm_engine import TokenEvent
-from python_backends.engine.sequence import SamplingParams
+from python_backends.engine.params import SamplingParams
 from tests.conftest import TinyModel, prompts
 
 

@@ -13,8 +13,8 @@ import pytest
 
 from python_backends.cancel_board import BoardCache
 from python_backends.engine.llm_engine import LLMEngine, kv_layout
+from python_backends.engine.params import SamplingParams
 from python_backends.engine.prefill_server import PrefillJob, PrefillResult, PrefillServer
-from python_backends.engine.sequence import SamplingParams
 from python_backends.kv_transfer import nixl
 from python_backends.kv_transfer.base import KVHandle, KVSink, TransferError
 from python_backends.kv_transfer.host_shm import HostShmSink, HostShmSource, SharedPool

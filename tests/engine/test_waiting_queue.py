@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from python_backends.engine.sequence import SamplingParams, Sequence
+from python_backends.engine.params import SamplingParams
+from python_backends.engine.sequence import Sequence
 from python_backends.engine.waiting_queue import FcfsQueue, PriorityFairQueue
 
 

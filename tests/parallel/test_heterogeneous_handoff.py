@@ -12,7 +12,7 @@ import torch
 
 from python_backends.config import ParallelLayout
 from python_backends.engine.llm_engine import LLMEngine
-from python_backends.engine.sequence import SamplingParams
+from python_backends.engine.params import SamplingParams
 from tests.conftest import make_tiny_llama, prompts
 from tests.parallel.test_parallel_engine import SHAPE
 

@@ -14,8 +14,8 @@ from safetensors.torch import load_file
 from python_backends import procfs
 from python_backends.config import EngineConfig, EngineConfigError, EngineLimits, ParallelLayout
 from python_backends.engine.builder import write_engine
+from python_backends.engine.params import SamplingParams
 from python_backends.engine.placement import Placement
-from python_backends.engine.sequence import SamplingParams
 from tests.conftest import TinyModel, make_tiny_llama, prompts
 from tests.engine.test_llm_engine import run_all
 

@@ -1,0 +1,46 @@
+"""What a request asks of the engine (validated by python_backends.protocol) and why a sequence
+ended. Free of torch, so the front-end models (the scheduler) need not load it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # end id or a stop sequence
+    LENGTH = "length"  # max_tokens or the engine's max_seq_len
+    CANCELLED = "cancelled"  # the client went away
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Validated per-request generation settings (see python_backends.protocol)."""
+
+    max_tokens: int
+    temperature: float = 0.0  # 0 means greedy
+    top_k: int = 0  # 0 means no top-k filter
+    top_p: float = 1.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
+    end_ids: tuple[int, ...] = ()
+    stop_sequences: tuple[tuple[int, ...], ...] = ()
+    bad_sequences: tuple[tuple[int, ...], ...] = ()
+    return_log_probs: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def needs_logits_processing(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.min_tokens > 0
+            or bool(self.bad_sequences)
+        )
