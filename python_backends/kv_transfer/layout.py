@@ -20,6 +20,7 @@ from python_backends.config import DTYPE_BYTES
 if TYPE_CHECKING:  # torch only where a pool is allocated: the scheduler's stub reads layouts
     import torch
 
+
 @dataclass(frozen=True)
 class KVLayout:
     """Shape of a KV pool: what a receiver must match to use the sender's bytes."""
