@@ -18,7 +18,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -229,15 +229,24 @@ class TritonRepository:
         config["instance_group"] = [g for g in groups if g["count"]]
         self.load(model, config, f"with {count} instances")
 
+    def reloaded(self, model: str, **parameters: str) -> AbstractContextManager[None]:
+        """A context: `model` reloaded with these config parameters set (see `variant`)."""
+
+        def change(config: dict[str, Any]) -> None:
+            config.setdefault("parameters", {}).update(
+                {key: {"string_value": value} for key, value in parameters.items()})
+
+        return self.variant(model, change, f"with {', '.join(sorted(parameters))} changed")
+
     @contextmanager
-    def reloaded(self, model: str, **parameters: str) -> Iterator[None]:
-        """`model` reloaded with these config parameters set, and with its original config
+    def variant(self, model: str, change: Callable[[dict[str, Any]], None],
+                what: str) -> Iterator[None]:
+        """`model` reloaded with its config as `change` edits it, and with its original config
         again on leaving (benchmarks and tests that serve a variant for a while)."""
         original = self.config(model)
         config = copy.deepcopy(original)
-        config.setdefault("parameters", {}).update(
-            {key: {"string_value": value} for key, value in parameters.items()})
-        self.load(model, config, f"with {', '.join(sorted(parameters))} changed")
+        change(config)
+        self.load(model, config, what)
         try:
             yield
         finally:

@@ -17,8 +17,8 @@ ENGINE_DIR_ENV = "LLM_ENGINE_DIR"
 FORMAT_VERSION = 1
 CONFIG_FILE = "config.json"
 SUPPORTED_ARCHITECTURES = ("llama", "mixtral")  # dense, and mixture-of-experts MLPs
-SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")  # names of torch dtypes
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # by torch dtype name
+SUPPORTED_DTYPES = tuple(DTYPE_BYTES)
 
 
 class EngineConfigError(ValueError):

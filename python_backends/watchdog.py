@@ -94,15 +94,15 @@ class StubWatchdog:
     def check(self) -> list[str]:
         """One look; returns the models reloaded."""
         stubs = self._stubs(self.server_pid)
-        running = {s.instance for s in stubs}
         now = self._clock()
         dead: dict[str, list[str]] = {}
         ready = self.repo.ready_models()
         self._configs = {m: c for m, c in self._configs.items() if m in ready}
         for model in ready:
+            running = {s.instance for s in stubs if s.model == model}
             config = self._configs.get(model)
-            if config is None or (config.get("backend") == "python" and expected_instances(config)
-                                  != {s.instance for s in stubs if s.model == model}):
+            if config is None or (config.get("backend") == "python"
+                                  and expected_instances(config) != running):
                 # First look, or its stubs differ from what its config said: read it again
                 # (a reload may have changed the instance groups).
                 config = self._configs[model] = self.repo.config(model)

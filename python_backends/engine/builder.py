@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
 import shutil
 import time
 from collections.abc import Callable
@@ -182,7 +183,6 @@ def _write_ranks(tmp: Path, out_dir: Path, config: EngineConfig,
 def engine_variant(engine: Path, out: Path, **limits: int) -> Path:
     """`engine` with other serving limits (`EngineLimits` fields) in `out`; the weight files
     are hard links, not copies (tests and benchmarks serve variants side by side)."""
-    import os
 
     def link(src: str, dst: str) -> None:
         try:

@@ -7,11 +7,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from python_backends.config import EngineConfig, EngineConfigError
+from python_backends.config import SUPPORTED_DTYPES, EngineConfig, EngineConfigError
 from python_backends.models.llama import LlamaForCausalLM
 from python_backends.parallel.context import ParallelContext
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in SUPPORTED_DTYPES}
 # Engine files keep Hugging Face's names; the model packs these projections into one matrix
 # each (fewer, larger GEMMs: on a CPU every kernel launch is a thread-pool wake-up).
 PACKED_MODULES = {

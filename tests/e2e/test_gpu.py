@@ -7,9 +7,9 @@ Needs CUDA (the `gpu` marker skips it elsewhere); `scripts/gpu_check.sh` runs it
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from typing import Any
 
 import pytest
 
@@ -21,17 +21,17 @@ pytestmark = [pytest.mark.e2e, pytest.mark.gpu]
 GREEDY = {"max_tokens": MAX_TOKENS, "exclude_input_in_output": True}
 
 
+def on_gpu0(config: dict[str, Any]) -> None:
+    config["instance_group"] = [{"count": 1, "kind": "KIND_GPU", "gpus": [0]}]
+
+
 @contextmanager
 def on_gpu(server: Server, *models: str) -> Iterator[None]:
     """`models` reloaded as one KIND_GPU instance each on GPU 0; their configs restored after."""
     repo = TritonRepository.for_server(server.options)
     with ExitStack() as stack:
         for model in models:
-            original = repo.config(model)
-            config = copy.deepcopy(original)
-            config["instance_group"] = [{"count": 1, "kind": "KIND_GPU", "gpus": [0]}]
-            repo.load(model, config, "on GPU 0")
-            stack.callback(repo.load, model, original, "with its original config")
+            stack.enter_context(repo.variant(model, on_gpu0, "on GPU 0"))
         yield
 
 
