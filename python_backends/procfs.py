@@ -30,6 +30,18 @@ class Process:
             return None
         return raw.decode(errors="replace").split("\0")[:-1]
 
+    def catches(self, signum: int) -> bool:
+        """Whether the process has a handler for `signum` (False if it is gone): sending it a
+        signal it does not catch may kill it."""
+        try:
+            status = (PROC / str(self.pid) / "status").read_text()
+        except OSError:
+            return False
+        for line in status.splitlines():
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+        return False
+
 
 def process(pid: int | str) -> Process | None:
     """The process `pid`, None if it is gone."""
@@ -50,3 +62,15 @@ def processes() -> Iterator[Process]:
 
 def running_children(ppid: int) -> list[Process]:
     return [p for p in processes() if p.ppid == ppid and p.running]
+
+
+def running_descendants(pid: int) -> list[Process]:
+    """Children, their children and so on, that are running."""
+    table = [p for p in processes() if p.running]
+    found: list[Process] = []
+    parents = {pid}
+    while parents:
+        level = [p for p in table if p.ppid in parents]
+        found += level
+        parents = {p.pid for p in level}
+    return found

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -20,6 +21,7 @@ def test_child_running_zombie_gone() -> None:
                                   "marker-7"]
         assert child.pid in {p.pid for p in procfs.running_children(os.getpid())}
         assert child.pid in {p.pid for p in procfs.processes()}
+        assert not proc.catches(signal.SIGUSR1) and not proc.catches(signal.SIGTERM)
         os.kill(child.pid, 9)
         deadline = time.monotonic() + 5
         while (p := procfs.process(child.pid)) is not None and p.running:
@@ -32,3 +34,32 @@ def test_child_running_zombie_gone() -> None:
         child.wait()
     assert procfs.process(child.pid) is None
     assert procfs.process(2**22 + 1) is None  # above any pid_max
+
+
+def test_descendants_and_signal_handlers() -> None:
+    """A grandchild is found through its parent; a registered handler shows in `catches`."""
+    script = ("import signal, subprocess, sys, time; "
+              "signal.signal(signal.SIGUSR2, lambda *_: None); "
+              "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)']); "
+              "time.sleep(30)")
+    child = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        deadline = time.monotonic() + 10
+        while len(found := procfs.running_descendants(child.pid)) < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        (grandchild,) = found
+        assert grandchild.ppid == child.pid
+        me = {p.pid: p for p in procfs.running_descendants(os.getpid())}
+        assert child.pid in me and grandchild.pid in me
+        while not me[child.pid].catches(signal.SIGUSR2):  # the handler is set at start-up
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert not me[child.pid].catches(signal.SIGUSR1)
+        assert not grandchild.catches(signal.SIGUSR2)
+    finally:
+        for p in procfs.running_descendants(child.pid):
+            os.kill(p.pid, signal.SIGKILL)
+        child.kill()
+        child.wait()
+    assert not procfs.Process(child.pid, "Z", 0, 0).catches(signal.SIGUSR2)

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from python_backends.config import EngineConfig
+from python_backends.diagnostics import enable_stack_dumps
 from python_backends.engine.attention import AttentionMetadata
 from python_backends.engine.loader import DTYPES
 from python_backends.engine.placement import CPU, dist_backend
@@ -314,6 +315,7 @@ def rank_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", type=torch.device, default=CPU)
     args = ap.parse_args(argv)
     _die_with_parent()
+    enable_stack_dumps()
     config = EngineConfig.load(args.engine_dir)
     torch.set_num_threads(_threads_per_rank(config.parallel.world_size))
     ctx = join_group(args.rank, config.parallel.world_size, args.port, config, STARTUP_TIMEOUT_S,

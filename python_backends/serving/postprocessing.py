@@ -10,6 +10,7 @@ from transformers import AutoTokenizer
 
 from python_backends.cancel_board import BoardCache
 from python_backends.detokenizer import incremental_text
+from python_backends.diagnostics import enable_stack_dumps
 from python_backends.serving.common import (
     ModelArgs,
     bytes_tensor,
@@ -32,6 +33,7 @@ PASS_THROUGH = {
 
 class PostprocessingModel:
     def initialize(self, args: dict[str, str]) -> None:
+        enable_stack_dumps()
         self.tokenizer = AutoTokenizer.from_pretrained(str(ModelArgs(args).engine_dir()))
         self.boards = BoardCache()
 

@@ -10,6 +10,7 @@ import triton_python_backend_utils as pb_utils
 from transformers import AutoTokenizer
 
 from python_backends.config import EngineConfig
+from python_backends.diagnostics import enable_stack_dumps
 from python_backends.protocol import InvalidRequest, parse_request
 from python_backends.serving.common import (
     ModelArgs,
@@ -22,6 +23,7 @@ from python_backends.serving.common import (
 
 class PreprocessingModel:
     def initialize(self, args: dict[str, str]) -> None:
+        enable_stack_dumps()
         engine_dir = ModelArgs(args).engine_dir()
         self.config = EngineConfig.load(engine_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(str(engine_dir))

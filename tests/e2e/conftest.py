@@ -14,8 +14,10 @@ from typing import Any
 import pytest
 import torch
 
+from python_backends import procfs
 from python_backends.client import LLMClient, metric_sum, scrape
 from python_backends.config import DEFAULT_ENGINE_DIR
+from python_backends.diagnostics import STACK_DUMP_SIGNAL
 from python_backends.launcher import ServerOptions, TritonServer, free_port
 
 ENGINE_DIR = Path(os.environ.get("LLM_ENGINE_DIR", DEFAULT_ENGINE_DIR))
@@ -49,6 +51,21 @@ class Server:
     def kv_blocks_used(self) -> float:
         return metric_sum(self.metrics(), "llm_kv_cache_blocks_used")
 
+    def stacks_and_log(self, log_lines: int = 60) -> str:
+        """Every stub's and engine rank's thread stacks (see python_backends.diagnostics), then
+        the server log's last lines: what a failed test reports, so a hang in CI can be read."""
+        assert self.triton.process is not None
+        start = self.log_file.stat().st_size
+        for proc in procfs.running_descendants(self.triton.process.pid):
+            if proc.catches(STACK_DUMP_SIGNAL):
+                os.kill(proc.pid, STACK_DUMP_SIGNAL)
+        time.sleep(1.0)  # the dumps are written by the processes themselves
+        with self.log_file.open("rb") as f:
+            before = f.read(start).decode(errors="replace").splitlines()
+            stacks = f.read().decode(errors="replace")
+        return "\n".join([*compact_stacks(stacks), "--- server log, last lines ---",
+                          *before[-log_lines:]])
+
     def wait_idle(self, timeout: float = 20.0) -> float:
         """Wait until no KV block is in use; returns the last reading."""
         deadline = time.monotonic() + timeout
@@ -57,6 +74,37 @@ class Server:
             time.sleep(0.2)
             used = self.kv_blocks_used()
         return used
+
+
+def compact_stacks(dump: str, keep: int = 4) -> list[str]:
+    """faulthandler's thread dumps with each thread cut to its `keep` innermost frames plus
+    every frame in this project: idle library threads otherwise fill the report."""
+    out: list[str] = []
+    frames = 0
+    for line in dump.splitlines():
+        if not line.startswith("  File "):
+            out.append(line)
+            frames = 0
+            continue
+        frames += 1
+        if frames <= keep or "python_backends" in line:
+            out.append(line)
+    return out
+
+
+_SESSION_SERVER: list[Server] = []  # the running server, for the failure report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    report = yield
+    if report.failed and report.when == "call" and _SESSION_SERVER:
+        try:
+            report.sections.append(("stub stacks and server log",
+                                    _SESSION_SERVER[0].stacks_and_log()))
+        except Exception as e:  # the report must not hide the failure
+            report.sections.append(("stub stacks and server log", f"unavailable: {e}"))
+    return report
 
 
 @pytest.fixture(scope="session")
@@ -77,9 +125,12 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         triton.stop()
         print(log_file.read_text()[-5000:])
         raise
+    # A request that hangs fails its test in minutes, not in the client's default ten.
+    _SESSION_SERVER.append(Server(opts, LLMClient(opts.http_url, timeout=180), log_file, triton))
     try:
-        yield Server(opts, LLMClient(opts.http_url), log_file, triton)
+        yield _SESSION_SERVER[0]
     finally:
+        _SESSION_SERVER.clear()
         restarts = triton.watchdog.restarts if triton.watchdog else []
         triton.stop()
         unplanned = [r for r in restarts if r[0] not in KILLED_BY_TESTS]

@@ -32,17 +32,7 @@ KEY = "test-key-8f3a"
 
 
 def _descendants(pid: int) -> set[int]:
-    out = subprocess.run(["ps", "-e", "-o", "pid=,ppid="], capture_output=True, text=True)
-    children: dict[int, list[int]] = {}
-    for line in out.stdout.splitlines():
-        p, pp = (int(x) for x in line.split())
-        children.setdefault(pp, []).append(p)
-    found, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.add(child)
-            todo.append(child)
-    return found
+    return {p.pid for p in procfs.running_descendants(pid)}
 
 
 def _grpc_generate(port: int, headers: dict[str, str]) -> str:
