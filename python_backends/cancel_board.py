@@ -9,6 +9,9 @@ at its next step and frees the sequence's KV blocks. Reading a mapped byte costs
 
 A flag is addressed by a ticket (slot and a per-slot generation tag), so a late cancellation of
 a finished request can never cancel the next request that reuses its slot.
+
+A board's name carries its owner's pid, so an engine can also tell that the scheduler instance
+behind a request is gone (`owner_alive`): its stub died, and nothing it asked for is wanted.
 """
 
 from __future__ import annotations
@@ -16,12 +19,16 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+import time
 import uuid
 from pathlib import Path
+
+from python_backends import procfs
 
 SHM_DIR = Path("/dev/shm")
 NAME_PREFIX = "triton_llm_cancel_"
 _TAGS = 255  # tags 1..255; byte 0 means "not cancelled"
+OWNER_CHECK_S = 1.0  # how stale `owner_alive` may be
 
 
 class BoardFull(RuntimeError):
@@ -43,6 +50,8 @@ class CancelBoard:
         self._free = list(range(size - 1, -1, -1)) if owner else []
         self._tags = [0] * size if owner else []
         self._lock = threading.Lock()
+        self._owner_alive = True
+        self._owner_checked = time.monotonic()
 
     @classmethod
     def create(cls, size: int = 1 << 16) -> CancelBoard:
@@ -51,13 +60,31 @@ class CancelBoard:
     @classmethod
     def attach(cls, name: str) -> CancelBoard:
         path = SHM_DIR / name
-        if not name.startswith(NAME_PREFIX) or path.parent != SHM_DIR:
+        pid = name[len(NAME_PREFIX):].split("_")[0]
+        if not name.startswith(NAME_PREFIX) or path.parent != SHM_DIR or not pid.isdigit():
             raise ValueError(f"not a cancel board: {name!r}")
         return cls(path, path.stat().st_size, False)
 
     @property
     def name(self) -> str:
         return self.path.name
+
+    @property
+    def owner_pid(self) -> int:
+        """The pid of the process that created the board (from its name)."""
+        return int(self.name[len(NAME_PREFIX):].split("_")[0])
+
+    def owner_alive(self) -> bool:
+        """Whether the creator is still running (not exited, not a zombie). Read from /proc at
+        most every OWNER_CHECK_S; once gone, gone for good."""
+        if self._owner or not self._owner_alive:
+            return self._owner_alive
+        now = time.monotonic()
+        if now - self._owner_checked >= OWNER_CHECK_S:
+            self._owner_checked = now
+            proc = procfs.process(self.owner_pid)
+            self._owner_alive = proc is not None and proc.running
+        return self._owner_alive
 
     def acquire(self) -> int:
         """A ticket for a new request (owner only). Raises BoardFull when every slot is taken."""

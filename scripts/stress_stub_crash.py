@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
-"""Reproduce the scheduler stub's heap corruption under Triton 2.51's Python backend.
+"""Stress the scheduler's stub the way that used to kill it under Triton 2.51's Python backend.
 
 Each round reloads the `worker` model (onto a copy of the engine with a batch of 8), opens
 --streams streaming requests, lets them run a few seconds, closes them (the server sees client
 cancellations) and reloads the worker with its original config. Stops at the first stub death
 the launcher's watchdog reports (it restarts the model) or after --seconds, and prints the
-server-log lines about it. On the 2-core development machine the scheduler's stub died with
-`double free or corruption (fasttop)` or `malloc_consolidate(): unaligned fastbin chunk
-detected` after 10 to 22 rounds of 16 streams.
+server-log lines about it. Before `python_backends/serving/bls.py` (see its docstring for the
+cause: BLS iterators freed without the GIL), the scheduler's stub died here with `double free or
+corruption (fasttop)` or `malloc_consolidate(): unaligned fastbin chunk detected` after 1 to 22
+rounds of 16 streams on the 2-core development machine.
 
     python scripts/stress_stub_crash.py [--seconds 900] [--streams 16]
 """

@@ -1,5 +1,12 @@
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 
+from python_backends import cancel_board, procfs
 from python_backends.cancel_board import BoardCache, BoardFull, CancelBoard
 
 
@@ -23,3 +30,42 @@ def test_flags_cross_mappings_and_slots_recycle() -> None:
         cache.close()
         owner.close()
     assert not owner.path.exists()
+
+
+def test_owner_liveness_follows_the_creating_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine attached to a scheduler's board learns when that scheduler's process is gone
+    (exited, or a zombie its parent has not reaped), so it can drop the scheduler's requests."""
+    monkeypatch.setattr(cancel_board, "OWNER_CHECK_S", 0.0)
+    script = ("import sys, time; from python_backends.cancel_board import CancelBoard; "
+              "b = CancelBoard.create(size=4); print(b.name, flush=True); "
+              "sys.stdin.readline()")  # exits without closing: a stub that died
+    child = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[1])
+    assert child.stdout is not None and child.stdin is not None
+    name = child.stdout.readline().strip()
+    board = CancelBoard.attach(name)
+    try:
+        assert board.owner_pid == child.pid and board.owner_alive()
+        child.stdin.write("\n")
+        child.stdin.flush()
+        deadline = time.monotonic() + 10
+        while board.owner_alive():  # a zombie until reaped below: already not alive
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert procfs.process(child.pid) is not None  # not reaped yet
+        child.wait()
+        assert not board.owner_alive()
+    finally:
+        board.close()
+        board.path.unlink(missing_ok=True)
+    me = CancelBoard.create(size=4)
+    try:
+        assert me.owner_pid == os.getpid() and me.owner_alive()
+    finally:
+        me.close()
+
+
+def test_attach_refuses_names_that_are_not_boards() -> None:
+    for name in ("x", "triton_llm_cancel_abc_1234", "../triton_llm_cancel_1_2"):
+        with pytest.raises(ValueError, match="not a cancel board"):
+            CancelBoard.attach(name)

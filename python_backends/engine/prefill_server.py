@@ -37,6 +37,8 @@ class PrefillJob:
     fault: str = ""  # python_backends.protocol.KV_FAULTS
     priority: int = 0
     tenant: str = "default"
+    # Polled between steps: True aborts the prompt (its done gets "prefill cancelled").
+    is_cancelled: Callable[[], bool] = lambda: False
 
 
 @dataclass(frozen=True)
@@ -82,9 +84,13 @@ class PrefillServer:
         self.num_expired = 0
         self._pending: dict[str, _Pending] = {}
         self.loop = EngineLoop(engine, on_tokens=self._on_tokens,
-                               on_finished_early=self._on_finished_early, on_step=on_step)
+                               on_finished_early=self._on_finished_early, on_step=on_step,
+                               is_cancelled=self._is_cancelled)
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, name="kv-reaper", daemon=True)
+
+    def _is_cancelled(self, seq_id: str) -> bool:
+        return self._pending[seq_id].job.is_cancelled()
 
     def start(self) -> None:
         self.loop.start()

@@ -5,9 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import queue
-import threading
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -119,33 +116,7 @@ def error_response(message: str, code: Any = None) -> Any:
 
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-log = logging.getLogger(__name__)
 
 
 class ShuttingDown(RuntimeError):
     pass
-
-
-class Outbox:
-    """Sends responses on its own thread, in order. Each send is an IPC round trip to the
-    server; done here, they overlap the engine's next step instead of delaying it."""
-
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="outbox", daemon=True)
-        self._thread.start()
-
-    def put(self, sender: Any, make_response: Callable[[], Any], flags: int = 0) -> None:
-        self._queue.put(lambda: sender.send(make_response(), flags=flags))
-
-    def close(self, timeout: float = 10.0) -> None:
-        self._queue.put(None)
-        self._thread.join(timeout)
-
-    def _run(self) -> None:
-        while (send := self._queue.get()) is not None:
-            try:
-                send()
-            except Exception:  # a client that went away must not stop the others' responses
-                log.exception("sending a response failed")
-

@@ -12,6 +12,8 @@ import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 
+from python_backends.cancel_board import BoardCache, CancelBoard
+from python_backends.diagnostics import enable_stack_dumps
 from python_backends.engine.llm_engine import LLMEngine
 from python_backends.engine.prefill_server import PrefillJob, PrefillResult, PrefillServer
 from python_backends.kv_transfer.factory import TransportUnavailable, make_sources
@@ -21,8 +23,8 @@ from python_backends.protocol import GenerationRequest
 from python_backends.serving.common import (
     FINAL,
     ModelArgs,
-    Outbox,
     bytes_tensor,
+    cancel_target,
     error_response,
     first_bytes,
     inputs_of,
@@ -30,8 +32,14 @@ from python_backends.serving.common import (
     tensor,
 )
 from python_backends.serving.metrics import EngineMetrics, KVTransferMetrics
+from python_backends.serving.outbox import Outbox, retire_caller
 
 log = logging.getLogger(__name__)
+
+
+def _cancelled(board: CancelBoard | None, ticket: int) -> bool:
+    """The client cancelled, or the scheduler that asked is gone (False for direct callers)."""
+    return board is not None and (board.is_cancelled(ticket) or not board.owner_alive())
 
 
 def prefill_response(result: PrefillResult) -> Any:
@@ -46,6 +54,7 @@ def prefill_response(result: PrefillResult) -> Any:
 
 class PrefillModel:
     def initialize(self, args: dict[str, str]) -> None:
+        enable_stack_dumps()
         margs = ModelArgs(args)
         transports = kv_transports(margs, default="auto")
         self._shared: SharedPool | None = None
@@ -68,6 +77,7 @@ class PrefillModel:
         self.metrics = EngineMetrics(margs.model_name, margs.instance_name)
         self.kv_metrics = KVTransferMetrics(margs.model_name, margs.instance_name)
         self.outbox = Outbox()
+        self._boards = BoardCache()  # the schedulers' cancel boards
         self.server = PrefillServer(
             engine, sources, owner=margs.instance_name,
             lease_s=float(margs.param("kv_lease_seconds", "30")),
@@ -85,27 +95,37 @@ class PrefillModel:
         for request in requests:
             sender = request.get_response_sender()
             try:
-                req = GenerationRequest.from_json(first_bytes(inputs_of(request), "REQUEST"))
+                inputs = inputs_of(request)
+                req = GenerationRequest.from_json(first_bytes(inputs, "REQUEST"))
+                board, ticket = (cancel_target(inputs, self._boards) if "CANCEL_BOARD" in inputs
+                                 else (None, 0))
             except Exception as e:  # malformed internal request: answer it, keep serving
                 sender.send(error_response(f"prefill: bad request: {e}"), flags=FINAL)
                 continue
             job = PrefillJob(req.prompt_ids, req.params, req.kv_transport, req.kv_fault,
-                             req.priority, req.tenant)
-            self.server.submit(job, partial(self._done, sender))
+                             req.priority, req.tenant, partial(_cancelled, board, ticket))
+            self.server.submit(job, partial(self._done, sender, board))
         return None
 
-    def _done(self, sender: Any, result: PrefillResult | Exception) -> None:
+    def _done(
+        self, sender: Any, board: CancelBoard | None, result: PrefillResult | Exception
+    ) -> None:
         """On the engine loop thread: queue the response, never block the loop."""
+        if board is not None and not board.owner_alive():
+            retire_caller(self.outbox, board)  # its scheduler died (a lease expires unused)
+            return
+        lane = board.name if board is not None else ""
         if isinstance(result, Exception):
-            self.outbox.put(sender, partial(error_response, f"prefill: {result}"), FINAL)
+            self.outbox.put(sender, partial(error_response, f"prefill: {result}"), FINAL, lane)
             return
         if result.event is not None:
             self.metrics.observe(result.event)
-        self.outbox.put(sender, partial(prefill_response, result), FINAL)
+        self.outbox.put(sender, partial(prefill_response, result), FINAL, lane)
 
     def finalize(self) -> None:
         self.server.close()
         self.outbox.close()
         self.metrics.retire()
+        self._boards.close()
         if self._shared is not None:
             self._shared.close()

@@ -18,6 +18,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from python_backends.cancel_board import BoardCache, BoardFull, CancelBoard
+from python_backends.diagnostics import enable_stack_dumps
 from python_backends.kv_transfer.base import KVHandle, abandon
 from python_backends.protocol import GenerationRequest, InvalidRequest
 from python_backends.scheduler.admission import (
@@ -30,6 +31,7 @@ from python_backends.scheduler.admission import (
 )
 from python_backends.scheduler.routing import Route, Router, RoutingPolicy
 from python_backends.scheduler.stream import Chunk, RequestStream
+from python_backends.serving.bls import BLSStreams
 from python_backends.serving.common import (
     FINAL,
     ModelArgs,
@@ -100,6 +102,7 @@ class _Call:
 
 class SchedulerModel:
     def initialize(self, args: dict[str, str]) -> None:
+        enable_stack_dumps()
         margs = ModelArgs(args)
         self.worker_model = margs.param("worker_model", "worker")
         self.prefill_model = margs.param("prefill_model")
@@ -115,6 +118,7 @@ class SchedulerModel:
             max_inflight_prefills=margs.int_param("disaggregation_max_inflight_prefills", 8),
         ))
         self._boards = BoardCache()  # prefill instances' release boards
+        self.bls = BLSStreams()  # every BLS call goes through it (see serving.bls)
         self.board = CancelBoard.create()
         self.metrics = RequestMetrics(margs.model_name)
         self.admission_metrics = AdmissionMetrics(
@@ -205,9 +209,11 @@ class SchedulerModel:
             self._relay(self.worker_model, engine_inputs, state, call)
             return
         try:
-            prefilled = self._prefill(req, request_json)
+            prefilled = self._prefill(req, request_json, call.ticket)
         finally:
             self.router.prefill_done()
+        if prefilled is None and call.check_cancelled():
+            return  # the prefill was dropped because the client went away
         if prefilled is None:  # the prefill group failed: decode computes the prompt itself
             self.metrics.routed("disaggregated_fallback")
             self._relay(self.decode_model, engine_inputs, state, call)
@@ -232,21 +238,23 @@ class SchedulerModel:
         ], state, call)
 
     def _prefill(
-        self, req: GenerationRequest, request_json: bytes
+        self, req: GenerationRequest, request_json: bytes, ticket: int
     ) -> tuple[int, float, str, bytes] | None:
         """First token, its log-prob, finish reason and KV handle from the prefill group; None
         when it failed (logged)."""
-        responses = pb_utils.InferenceRequest(
+        request = pb_utils.InferenceRequest(
             model_name=self.prefill_model,
             inputs=[
                 tensor("INPUT_IDS", np.array([req.prompt_ids], dtype=np.int32)),
                 bytes_tensor("REQUEST", [request_json]),
+                bytes_tensor("CANCEL_BOARD", [self.board.name]),
+                tensor("CANCEL_TICKET", np.array([[ticket]], dtype=np.int32)),
             ],
             requested_output_names=["OUTPUT_IDS", "OUTPUT_LOG_PROBS", "FINISH_REASON",
                                     "KV_HANDLE"],
-        ).exec(decoupled=True)
+        )
         result = None
-        for response in responses:  # one answer, then the final flag
+        for response in self.bls.stream(request):  # one answer, then the final flag
             if response.has_error():
                 log.warning("prefill failed, decode will recompute: %s",
                             response.error().message())
@@ -261,10 +269,10 @@ class SchedulerModel:
 
     def _relay(self, model: str, inputs: list[Any], state: RequestStream, call: _Call) -> None:
         """Stream an engine model's responses to the client as chunks."""
-        bls = pb_utils.InferenceRequest(
+        request = pb_utils.InferenceRequest(
             model_name=model, inputs=inputs, requested_output_names=ENGINE_OUTPUTS,
         )
-        for response in bls.exec(decoupled=True):
+        for response in self.bls.stream(request):
             call.first_response()  # a token, an error or the end ends the wait
             if response.has_error():  # keeps the engine's code: a refusal is the client's
                 error = response.error()
@@ -284,5 +292,6 @@ class SchedulerModel:
 
     def finalize(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
+        self.bls.close()
         self.board.close()
         self._boards.close()

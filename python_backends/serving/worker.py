@@ -20,6 +20,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from python_backends.cancel_board import BoardCache, CancelBoard
+from python_backends.diagnostics import enable_stack_dumps
 from python_backends.engine.engine_loop import EngineLoop
 from python_backends.engine.llm_engine import LLMEngine, TokenEvent
 from python_backends.engine.waiting_queue import PriorityFairQueue
@@ -29,7 +30,6 @@ from python_backends.protocol import GenerationRequest
 from python_backends.serving.common import (
     FINAL,
     ModelArgs,
-    Outbox,
     ShuttingDown,
     bytes_tensor,
     cancel_target,
@@ -41,6 +41,7 @@ from python_backends.serving.common import (
     tensor,
 )
 from python_backends.serving.metrics import EngineMetrics, KVTransferMetrics
+from python_backends.serving.outbox import Outbox, retire_caller
 
 log = logging.getLogger(__name__)
 
@@ -52,9 +53,14 @@ class _Pending:
     board: CancelBoard | None  # set when the caller (the scheduler) relays cancellation
     ticket: int
 
+    @property
+    def lane(self) -> str:
+        """The outbox lane of the caller: its scheduler instance, or direct callers."""
+        return self.board.name if self.board is not None else ""
+
     def is_cancelled(self) -> bool:
         if self.board is not None:
-            return self.board.is_cancelled(self.ticket)
+            return self.board.is_cancelled(self.ticket) or not self.board.owner_alive()
         return bool(self.sender.is_cancelled())
 
 
@@ -73,6 +79,7 @@ def engine_response(
 
 class WorkerModel:
     def initialize(self, args: dict[str, str]) -> None:
+        enable_stack_dumps()
         margs = ModelArgs(args)
         try:
             weights = {k: float(v) for k, v in json.loads(margs.param("tenant_weights", "{}"))
@@ -174,26 +181,30 @@ class WorkerModel:
         for ev in events:
             self.metrics.observe(ev)
             if ev.finish_reason is None:
-                sender, flags = self._pending[ev.seq_id].sender, 0
+                pending, flags = self._pending[ev.seq_id], 0
             else:
-                sender, flags = self._pending.pop(ev.seq_id).sender, FINAL
-            self.outbox.put(sender, partial(
+                pending, flags = self._pending.pop(ev.seq_id), FINAL
+            self.outbox.put(pending.sender, partial(
                 engine_response, [ev.token_id], [ev.logprob or 0.0],
                 ev.finish_reason.value if ev.finish_reason else "",
                 ev.num_prompt_tokens, ev.num_output_tokens,
-            ), flags)
+            ), flags, pending.lane)
 
     def _on_finished_early(self, seq_id: str, error: Exception | None) -> None:
         pending = self._pending.pop(seq_id)
+        if pending.board is not None and not pending.board.owner_alive():
+            retire_caller(self.outbox, pending.board)  # its scheduler died: nobody to answer
+            return
         if error is not None:
             code = (pb_utils.TritonError.INVALID_ARG if isinstance(error, ValueError)
                     else pb_utils.TritonError.UNAVAILABLE if isinstance(error, ShuttingDown)
                     else pb_utils.TritonError.INTERNAL)
-            self.outbox.put(pending.sender, partial(error_response, str(error), code), FINAL)
+            self.outbox.put(pending.sender, partial(error_response, str(error), code), FINAL,
+                            pending.lane)
         else:
             self.outbox.put(pending.sender, partial(
                 engine_response, [], [], "cancelled", pending.num_prompt_tokens, 0
-            ), FINAL)
+            ), FINAL, pending.lane)
 
     def finalize(self) -> None:
         # Let sequences in flight finish first: an instance is finalized when the server stops
