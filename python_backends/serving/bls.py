@@ -14,7 +14,9 @@ runs; under gdb, about one iterator in five was destroyed in `Stub::SendCleanupI
 The workaround: `BLSStreams.stream` reads each call through its final response, then keeps the
 iterator referenced for `hold_s` seconds, far longer than the stub takes to erase its entry
 (milliseconds). The reference is then dropped by a Python thread, under the GIL, and it is the
-last one.
+last one. The cost: the responses of the last `hold_s` seconds of calls stay in the stub's
+shared-memory pool (a few hundred bytes per response), and after a burst the last ones stay
+until the next call or `close`.
 """
 
 from __future__ import annotations
