@@ -53,7 +53,8 @@ class Outbox:
     """Lanes are named by the caller: a scheduler instance's cancel board name, "" for direct
     callers. `retire` drops a dead caller's lane and everything later put on it."""
 
-    def __init__(self) -> None:
+    def __init__(self, owner: str = "") -> None:
+        self.owner = owner  # the instance sending, for log lines
         self._lanes: dict[str, _Lane] = {}
         self._retired: set[str] = set()
         self._lock = threading.Lock()
@@ -94,5 +95,5 @@ def retire_caller(outbox: Outbox, board: CancelBoard) -> None:
     board's file, which the owner would have removed (the mapping stays valid)."""
     if outbox.retire(board.name):
         board.path.unlink(missing_ok=True)
-        log.warning("caller %s (pid %d) is gone: aborting its sequences, dropping their "
-                    "responses", board.name, board.owner_pid)
+        log.warning("%s: caller %s (pid %d) is gone: aborting its sequences, dropping their "
+                    "responses", outbox.owner, board.name, board.owner_pid)

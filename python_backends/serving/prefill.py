@@ -16,6 +16,7 @@ from python_backends.cancel_board import BoardCache, CancelBoard
 from python_backends.diagnostics import enable_stack_dumps
 from python_backends.engine.llm_engine import LLMEngine
 from python_backends.engine.prefill_server import PrefillJob, PrefillResult, PrefillServer
+from python_backends.kv_transfer.base import abandon
 from python_backends.kv_transfer.factory import TransportUnavailable, make_sources
 from python_backends.kv_transfer.host_shm import SharedPool
 from python_backends.kv_transfer.layout import KVLayout, allocate_pool
@@ -76,7 +77,7 @@ class PrefillModel:
             raise pb_utils.TritonModelException(f"{margs.model_name}: {e}") from None
         self.metrics = EngineMetrics(margs.model_name, margs.instance_name)
         self.kv_metrics = KVTransferMetrics(margs.model_name, margs.instance_name)
-        self.outbox = Outbox()
+        self.outbox = Outbox(margs.instance_name)
         self._boards = BoardCache()  # the schedulers' cancel boards
         self.server = PrefillServer(
             engine, sources, owner=margs.instance_name,
@@ -112,7 +113,9 @@ class PrefillModel:
     ) -> None:
         """On the engine loop thread: queue the response, never block the loop."""
         if board is not None and not board.owner_alive():
-            retire_caller(self.outbox, board)  # its scheduler died (a lease expires unused)
+            retire_caller(self.outbox, board)  # its scheduler died: nobody takes the answer
+            if isinstance(result, PrefillResult) and result.handle is not None:
+                abandon(result.handle, self._boards)  # free the lease now, not at expiry
             return
         lane = board.name if board is not None else ""
         if isinstance(result, Exception):

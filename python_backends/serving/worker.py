@@ -104,7 +104,7 @@ class WorkerModel:
         except TransportUnavailable as e:
             raise pb_utils.TritonModelException(f"{margs.model_name}: {e}") from None
         self.drain_timeout_s = float(margs.param("drain_timeout_seconds", "60"))
-        self.outbox = Outbox()
+        self.outbox = Outbox(margs.instance_name)
         self.loop = EngineLoop(
             engine,
             on_tokens=self._on_tokens,
