@@ -99,3 +99,51 @@ def _generate_when_ready(server: Server, route: str, deadline: float) -> dict[st
         except GenerateError:
             assert time.monotonic() < deadline, "the restarted scheduler does not answer"
             time.sleep(1.0)
+
+
+def test_requests_on_an_engine_that_dies_fail_fast_and_the_group_comes_back(
+    server: Server, reference: Reference
+) -> None:
+    """The worker and decode stubs die mid-stream. Triton never fails the requests they held;
+    the scheduler notices the processes they announced are gone and ends those requests with
+    UNAVAILABLE within seconds (not at the client's timeout), and after the watchdog's restart
+    both paths answer correctly again."""
+    assert server.triton.process is not None
+    server_pid = server.triton.process.pid
+    client = LLMClient(server.options.http_url, timeout=60)
+    outcomes: dict[int, tuple[str, float]] = {}  # how each stream ended, and when
+
+    def stream(i: int, route: str) -> None:
+        try:
+            client.stream_collect("Tell me a long story about France. " * 8, max_tokens=400,
+                                  route=route)
+            outcomes[i] = ("finished", time.monotonic())
+        except GenerateError as e:
+            outcomes[i] = (str(e), time.monotonic())
+
+    routes = ("aggregated", "disaggregated") * 2
+    threads = [threading.Thread(target=stream, args=(i, r), daemon=True)
+               for i, r in enumerate(routes)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while not all(metric_sum(server.metrics(), "llm_kv_cache_blocks_used", model=m) > 0
+                  for m in ("worker", "decode")):
+        assert time.monotonic() < deadline, "the streams never reached the engines"
+        time.sleep(0.2)
+    killed_at = time.monotonic()
+    for stub in live_stubs(server_pid):
+        if stub.model in ("worker", "decode"):
+            KILLED_BY_TESTS.add(stub.instance)
+            os.kill(stub.pid, signal.SIGKILL)
+    for t in threads:
+        t.join(30)
+    assert len(outcomes) == len(routes), "a request on a dead engine hung"
+    for i, (outcome, ended) in outcomes.items():
+        assert "died" in outcome and "retry" in outcome, (routes[i], outcome)
+        assert ended - killed_at < 15, (routes[i], ended - killed_at)
+    deadline = time.monotonic() + 120
+    for route in ("aggregated", "disaggregated"):
+        out = _generate_when_ready(server, route, deadline)
+        assert as_list(out["output_ids"]) == reference.outputs[PROMPTS[0]], route
+    assert server.wait_idle(timeout=45) == 0  # a lease the dead decoder held expires
