@@ -118,12 +118,5 @@ def error_response(message: str, code: Any = None) -> Any:
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
-def pid_announcement(batch: bool) -> Any:
-    """An engine call's first response: only ENGINE_PID, this process's pid, so the caller can
-    tell when the instance serving it dies (see serving.bls)."""
-    pid = np.array([os.getpid()], dtype=np.int32)
-    return pb_utils.InferenceResponse([tensor("ENGINE_PID", pid[None, :] if batch else pid)])
-
-
 class ShuttingDown(RuntimeError):
     pass

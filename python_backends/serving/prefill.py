@@ -30,7 +30,6 @@ from python_backends.serving.common import (
     first_bytes,
     inputs_of,
     kv_transports,
-    pid_announcement,
     tensor,
 )
 from python_backends.serving.metrics import EngineMetrics, KVTransferMetrics
@@ -106,8 +105,6 @@ class PrefillModel:
                 continue
             job = PrefillJob(req.prompt_ids, req.params, req.kv_transport, req.kv_fault,
                              req.priority, req.tenant, partial(_cancelled, board, ticket))
-            self.outbox.put(sender, partial(pid_announcement, batch=True), 0,
-                            board.name if board is not None else "")
             self.server.submit(job, partial(self._done, sender, board))
         return None
 

@@ -31,7 +31,7 @@ from python_backends.scheduler.admission import (
 )
 from python_backends.scheduler.routing import Route, Router, RoutingPolicy
 from python_backends.scheduler.stream import Chunk, RequestStream
-from python_backends.serving.bls import BLSStreams, CalleeDied
+from python_backends.serving.bls import BLSStreams
 from python_backends.serving.common import (
     FINAL,
     ModelArgs,
@@ -46,7 +46,6 @@ from python_backends.serving.metrics import AdmissionMetrics, RequestMetrics
 log = logging.getLogger(__name__)
 ENGINE_OUTPUTS = [
     "OUTPUT_IDS", "OUTPUT_LOG_PROBS", "FINISH_REASON", "NUM_INPUT_TOKENS", "NUM_OUTPUT_TOKENS",
-    "ENGINE_PID",
 ]
 
 
@@ -67,12 +66,6 @@ def chunk_response(chunk: Chunk, board: str, ticket: int) -> Any:
 
 def _output(response: Any, name: str) -> np.ndarray:
     return pb_utils.get_output_tensor_by_name(response, name).as_numpy()
-
-
-def announced_pid(response: Any) -> int | None:
-    """The engine's pid, when `response` is its announcement (see common.pid_announcement)."""
-    pid = pb_utils.get_output_tensor_by_name(response, "ENGINE_PID")
-    return None if pid is None else int(pid.as_numpy().reshape(-1)[0])
 
 
 class _Call:
@@ -125,7 +118,7 @@ class SchedulerModel:
             max_inflight_prefills=margs.int_param("disaggregation_max_inflight_prefills", 8),
         ))
         self._boards = BoardCache()  # prefill instances' release boards
-        self.bls = BLSStreams(announced_pid)  # every BLS call goes through it (serving.bls)
+        self.bls = BLSStreams()  # every BLS call goes through it (see serving.bls)
         self.board = CancelBoard.create()
         self.metrics = RequestMetrics(margs.model_name)
         self.admission_metrics = AdmissionMetrics(
@@ -258,24 +251,20 @@ class SchedulerModel:
                 tensor("CANCEL_TICKET", np.array([[ticket]], dtype=np.int32)),
             ],
             requested_output_names=["OUTPUT_IDS", "OUTPUT_LOG_PROBS", "FINISH_REASON",
-                                    "KV_HANDLE", "ENGINE_PID"],
+                                    "KV_HANDLE"],
         )
         result = None
-        try:
-            for response in self.bls.stream(request):  # one answer, then the final flag
-                if response.has_error():
-                    log.warning("prefill failed, decode will recompute: %s",
-                                response.error().message())
-                elif response.output_tensors():
-                    result = (
-                        int(_output(response, "OUTPUT_IDS").reshape(-1)[0]),
-                        float(_output(response, "OUTPUT_LOG_PROBS").reshape(-1)[0]),
-                        bytes(_output(response, "FINISH_REASON").reshape(-1)[0]).decode(),
-                        bytes(_output(response, "KV_HANDLE").reshape(-1)[0]),
-                    )
-        except CalleeDied as e:
-            log.warning("%s: %s; decode will recompute", self.prefill_model, e)
-            return None
+        for response in self.bls.stream(request):  # one answer, then the final flag
+            if response.has_error():
+                log.warning("prefill failed, decode will recompute: %s",
+                            response.error().message())
+            elif response.output_tensors():
+                result = (
+                    int(_output(response, "OUTPUT_IDS").reshape(-1)[0]),
+                    float(_output(response, "OUTPUT_LOG_PROBS").reshape(-1)[0]),
+                    bytes(_output(response, "FINISH_REASON").reshape(-1)[0]).decode(),
+                    bytes(_output(response, "KV_HANDLE").reshape(-1)[0]),
+                )
         return result
 
     def _relay(self, model: str, inputs: list[Any], state: RequestStream, call: _Call) -> None:
@@ -283,29 +272,23 @@ class SchedulerModel:
         request = pb_utils.InferenceRequest(
             model_name=model, inputs=inputs, requested_output_names=ENGINE_OUTPUTS,
         )
-        try:
-            for response in self.bls.stream(request):
-                call.first_response()  # a token, an error or the end ends the wait
-                if response.has_error():  # keeps the engine's code: a refusal is the client's
-                    error = response.error()
-                    call.fail(error.message(), error.code())
-                    return
-                if call.check_cancelled() or not response.output_tensors():
-                    continue  # drain until the engine's final response
-                chunk = state.add(
-                    _output(response, "OUTPUT_IDS").tolist(),
-                    _output(response, "OUTPUT_LOG_PROBS").tolist(),
-                    bytes(_output(response, "FINISH_REASON")[0]).decode(),
-                )
-                if chunk is not None:
-                    flags = FINAL if chunk.finish_reason else 0
-                    call.sender.send(chunk_response(chunk, self.board.name, call.ticket),
-                                     flags=flags)
-        except CalleeDied as e:
-            call.first_response()
-            if not call.cancelled:
-                call.fail(f"{model}: {e}; it is being restarted, retry the request",
-                          pb_utils.TritonError.UNAVAILABLE)
+        for response in self.bls.stream(request):
+            call.first_response()  # a token, an error or the end ends the wait
+            if response.has_error():  # keeps the engine's code: a refusal is the client's
+                error = response.error()
+                call.fail(error.message(), error.code())
+                return
+            if call.check_cancelled() or not response.output_tensors():
+                continue  # drain until the engine's final response
+            chunk = state.add(
+                _output(response, "OUTPUT_IDS").tolist(),
+                _output(response, "OUTPUT_LOG_PROBS").tolist(),
+                bytes(_output(response, "FINISH_REASON")[0]).decode(),
+            )
+            if chunk is not None:
+                flags = FINAL if chunk.finish_reason else 0
+                call.sender.send(chunk_response(chunk, self.board.name, call.ticket),
+                                 flags=flags)
 
     def finalize(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)

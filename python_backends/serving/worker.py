@@ -38,7 +38,6 @@ from python_backends.serving.common import (
     first_bytes,
     inputs_of,
     kv_transports,
-    pid_announcement,
     tensor,
 )
 from python_backends.serving.metrics import EngineMetrics, KVTransferMetrics
@@ -136,8 +135,7 @@ class WorkerModel:
                 sender.send(error_response(f"worker: bad request: {e}"), flags=FINAL)
                 continue
             seq_id = uuid.uuid4().hex
-            pending = self._pending[seq_id] = _Pending(sender, len(req.prompt_ids), board, ticket)
-            self.outbox.put(sender, partial(pid_announcement, batch=False), 0, pending.lane)
+            self._pending[seq_id] = _Pending(sender, len(req.prompt_ids), board, ticket)
             if handoff is not None:
                 handle, first_token, first_logprob = handoff
                 self.loop.submit_handoff(
