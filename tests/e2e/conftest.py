@@ -57,9 +57,10 @@ class Server:
         assert self.triton.process is not None
         start = self.log_file.stat().st_size
         for proc in procfs.running_descendants(self.triton.process.pid):
-            if proc.catches(STACK_DUMP_SIGNAL):
+            if proc.catches(STACK_DUMP_SIGNAL):  # one at a time: they share the log
                 os.kill(proc.pid, STACK_DUMP_SIGNAL)
-        time.sleep(1.0)  # the dumps are written by the processes themselves
+                time.sleep(0.3)  # each process writes its own dump
+        time.sleep(0.5)
         with self.log_file.open("rb") as f:
             before = f.read(start).decode(errors="replace").splitlines()
             stacks = f.read().decode(errors="replace")
