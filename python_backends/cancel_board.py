@@ -10,8 +10,9 @@ at its next step and frees the sequence's KV blocks. Reading a mapped byte costs
 A flag is addressed by a ticket (slot and a per-slot generation tag), so a late cancellation of
 a finished request can never cancel the next request that reuses its slot.
 
-A board's name carries its owner's pid, so an engine can also tell that the scheduler instance
-behind a request is gone (`owner_alive`): its stub died, and nothing it asked for is wanted.
+A board's name carries its owner's pid, so a reader also tells that the scheduler instance
+behind a request is gone (`owner_alive`): its stub died, and nothing it asked for is wanted, so
+every ticket on its board reads as cancelled.
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ OWNER_CHECK_S = 1.0  # how stale `owner_alive` may be
 
 class BoardFull(RuntimeError):
     pass
+
+
+def _pid_in(name: str) -> str:
+    """The owner's pid as the board's name spells it (`<prefix><pid>_<tag>`)."""
+    return name[len(NAME_PREFIX):].split("_")[0]
 
 
 class CancelBoard:
@@ -60,8 +66,8 @@ class CancelBoard:
     @classmethod
     def attach(cls, name: str) -> CancelBoard:
         path = SHM_DIR / name
-        pid = name[len(NAME_PREFIX):].split("_")[0]
-        if not name.startswith(NAME_PREFIX) or path.parent != SHM_DIR or not pid.isdigit():
+        if (not name.startswith(NAME_PREFIX) or path.parent != SHM_DIR
+                or not _pid_in(name).isdigit()):
             raise ValueError(f"not a cancel board: {name!r}")
         return cls(path, path.stat().st_size, False)
 
@@ -72,7 +78,7 @@ class CancelBoard:
     @property
     def owner_pid(self) -> int:
         """The pid of the process that created the board (from its name)."""
-        return int(self.name[len(NAME_PREFIX):].split("_")[0])
+        return int(_pid_in(self.name))
 
     def owner_alive(self) -> bool:
         """Whether the creator is still running (not exited, not a zombie). Read from /proc at
@@ -82,8 +88,7 @@ class CancelBoard:
         now = time.monotonic()
         if now - self._owner_checked >= OWNER_CHECK_S:
             self._owner_checked = now
-            proc = procfs.process(self.owner_pid)
-            self._owner_alive = proc is not None and proc.running
+            self._owner_alive = procfs.running(self.owner_pid)
         return self._owner_alive
 
     def acquire(self) -> int:
@@ -105,7 +110,8 @@ class CancelBoard:
         self._map[ticket // 256] = ticket % 256
 
     def is_cancelled(self, ticket: int) -> bool:
-        return self._map[ticket // 256] == ticket % 256
+        """The ticket's flag is raised, or the board's owner is gone."""
+        return self._map[ticket // 256] == ticket % 256 or not self.owner_alive()
 
     def close(self) -> None:
         self._map.close()

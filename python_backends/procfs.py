@@ -53,6 +53,12 @@ def process(pid: int | str) -> Process | None:
     return Process(int(pid), fields[0], int(fields[1]), int(fields[2]))
 
 
+def running(pid: int) -> bool:
+    """Whether `pid` exists and is not a zombie."""
+    proc = process(pid)
+    return proc is not None and proc.running
+
+
 def processes() -> Iterator[Process]:
     """Every process visible now (ones that exit while this runs are left out)."""
     for entry in PROC.iterdir():

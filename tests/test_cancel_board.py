@@ -46,6 +46,7 @@ def test_owner_liveness_follows_the_creating_process(monkeypatch: pytest.MonkeyP
     board = CancelBoard.attach(name)
     try:
         assert board.owner_pid == child.pid and board.owner_alive()
+        assert not board.is_cancelled(1 * 256 + 1)
         child.stdin.write("\n")
         child.stdin.flush()
         deadline = time.monotonic() + 10
@@ -55,6 +56,7 @@ def test_owner_liveness_follows_the_creating_process(monkeypatch: pytest.MonkeyP
         assert procfs.process(child.pid) is not None  # not reaped yet
         child.wait()
         assert not board.owner_alive()
+        assert board.is_cancelled(1 * 256 + 1)  # every ticket of a dead owner
     finally:
         board.close()
         board.path.unlink(missing_ok=True)

@@ -16,6 +16,7 @@ def test_child_running_zombie_gone() -> None:
     try:
         proc = procfs.process(child.pid)
         assert proc is not None and proc.running and proc.ppid == os.getpid()
+        assert procfs.running(child.pid)
         assert proc.pgrp == os.getpgrp()
         assert proc.cmdline() == [sys.executable, "-c", "import time; time.sleep(30)",
                                   "marker-7"]
@@ -28,6 +29,7 @@ def test_child_running_zombie_gone() -> None:
             assert time.monotonic() < deadline
             time.sleep(0.02)
         assert p is not None and p.state == "Z"  # exited, not reaped yet
+        assert not procfs.running(child.pid)
         assert child.pid not in {p.pid for p in procfs.running_children(os.getpid())}
     finally:
         child.kill()

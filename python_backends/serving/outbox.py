@@ -90,10 +90,19 @@ class Outbox:
             q.close(max(0.0, deadline - time.monotonic()))
 
 
-def retire_caller(outbox: Outbox, board: CancelBoard) -> None:
-    """A scheduler instance died (its board's owner is gone): drop its outbox lane, and its
-    board's file, which the owner would have removed (the mapping stays valid)."""
+def caller_lane(board: CancelBoard | None) -> str:
+    """The lane of a request's caller: its scheduler instance (named by its cancel board), or
+    "" for direct callers."""
+    return board.name if board is not None else ""
+
+
+def caller_gone(outbox: Outbox, board: CancelBoard | None) -> bool:
+    """Whether the scheduler instance behind `board` died. The first time, its lane is retired
+    and its board's file removed, which the owner would have done (the mapping stays valid)."""
+    if board is None or board.owner_alive():
+        return False
     if outbox.retire(board.name):
         board.path.unlink(missing_ok=True)
         log.warning("%s: caller %s (pid %d) is gone: aborting its sequences, dropping their "
                     "responses", outbox.owner, board.name, board.owner_pid)
+    return True

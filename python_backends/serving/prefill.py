@@ -33,14 +33,14 @@ from python_backends.serving.common import (
     tensor,
 )
 from python_backends.serving.metrics import EngineMetrics, KVTransferMetrics
-from python_backends.serving.outbox import Outbox, retire_caller
+from python_backends.serving.outbox import Outbox, caller_gone, caller_lane
 
 log = logging.getLogger(__name__)
 
 
 def _cancelled(board: CancelBoard | None, ticket: int) -> bool:
     """The client cancelled, or the scheduler that asked is gone (False for direct callers)."""
-    return board is not None and (board.is_cancelled(ticket) or not board.owner_alive())
+    return board is not None and board.is_cancelled(ticket)
 
 
 def prefill_response(result: PrefillResult) -> Any:
@@ -112,12 +112,11 @@ class PrefillModel:
         self, sender: Any, board: CancelBoard | None, result: PrefillResult | Exception
     ) -> None:
         """On the engine loop thread: queue the response, never block the loop."""
-        if board is not None and not board.owner_alive():
-            retire_caller(self.outbox, board)  # its scheduler died: nobody takes the answer
+        if caller_gone(self.outbox, board):  # its scheduler died: nobody takes the answer
             if isinstance(result, PrefillResult) and result.handle is not None:
                 abandon(result.handle, self._boards)  # free the lease now, not at expiry
             return
-        lane = board.name if board is not None else ""
+        lane = caller_lane(board)
         if isinstance(result, Exception):
             self.outbox.put(sender, partial(error_response, f"prefill: {result}"), FINAL, lane)
             return

@@ -41,7 +41,7 @@ from python_backends.serving.common import (
     tensor,
 )
 from python_backends.serving.metrics import EngineMetrics, KVTransferMetrics
-from python_backends.serving.outbox import Outbox, retire_caller
+from python_backends.serving.outbox import Outbox, caller_gone, caller_lane
 
 log = logging.getLogger(__name__)
 
@@ -56,11 +56,11 @@ class _Pending:
     @property
     def lane(self) -> str:
         """The outbox lane of the caller: its scheduler instance, or direct callers."""
-        return self.board.name if self.board is not None else ""
+        return caller_lane(self.board)
 
     def is_cancelled(self) -> bool:
         if self.board is not None:
-            return self.board.is_cancelled(self.ticket) or not self.board.owner_alive()
+            return self.board.is_cancelled(self.ticket)
         return bool(self.sender.is_cancelled())
 
 
@@ -192,8 +192,7 @@ class WorkerModel:
 
     def _on_finished_early(self, seq_id: str, error: Exception | None) -> None:
         pending = self._pending.pop(seq_id)
-        if pending.board is not None and not pending.board.owner_alive():
-            retire_caller(self.outbox, pending.board)  # its scheduler died: nobody to answer
+        if caller_gone(self.outbox, pending.board):  # its scheduler died: nobody to answer
             return
         if error is not None:
             code = (pb_utils.TritonError.INVALID_ARG if isinstance(error, ValueError)

@@ -61,12 +61,6 @@ def _grpc_generate(port: int, headers: dict[str, str]) -> str:
     return "".join(out)
 
 
-def _running(pid: int) -> bool:
-    """Alive and not a zombie waiting to be reaped."""
-    proc = procfs.process(pid)
-    return proc is not None and proc.running
-
-
 def _tight_repository(tmp_path: Path) -> Path:
     repo = tmp_path / "model_repository"
     shutil.copytree(ROOT / "model_repository", repo)
@@ -159,7 +153,7 @@ def test_serve_script_starts_answers_and_stops_cleanly(tmp_path: Path) -> None:
                         os.kill(pid, signal.SIGKILL)
         log.close()
     time.sleep(1)
-    alive = [p for p in stubs if _running(p)]
+    alive = [p for p in stubs if procfs.running(p)]
     assert not alive, f"orphan processes: {alive}"
     leaked = {n for n in set(os.listdir(SHM_DIR)) - shm_before if n.startswith("triton")}
     assert not leaked, f"leftover shared memory: {leaked}"
