@@ -4,7 +4,7 @@ aiperf lives in its own environment (its dependencies want numpy 2; the Triton s
 below 2): `scripts/test.sh` creates `.venv-aiperf`, or by hand
 `python3 -m venv .venv-aiperf && .venv-aiperf/bin/pip install aiperf==0.13.0 matplotlib`.
 Our server is driven through its `generate_stream` endpoint with aiperf's template endpoint
-(see PLATFORM.md), the end id ignored so every request produces exactly `output_tokens`.
+(see docs/platform.md), the end id ignored so every request produces exactly `output_tokens`.
 """
 
 from __future__ import annotations

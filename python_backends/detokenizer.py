@@ -1,6 +1,6 @@
 """Incremental detokenization that never splits a multi-byte character.
 
-Postprocessing is stateless per response, so the scheduler sends each streamed step's new token
+Postprocessing is stateless per response, so the front sends each streamed step's new token
 ids together with a few preceding ones (`STREAM_CONTEXT_TOKENS`). The text of the new tokens is
 the growth of the window's decoded text, where an incomplete trailing character (decoded as
 U+FFFD) is held back until the token that completes it arrives. Garbage at the start of the

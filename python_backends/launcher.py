@@ -2,7 +2,7 @@
 
 Used by scripts/serve.sh (as `python -m python_backends.launcher`), the end-to-end tests and the
 benchmarks, so every path starts the server the same way. The environment traps it handles are
-described in PLATFORM.md: the Python stub must sit in the backend directory, runs the virtual
+described in docs/platform.md: the Python stub must sit in the backend directory, runs the virtual
 environment of the first `python3` on PATH, and must link this interpreter's own libpython.
 """
 
@@ -13,7 +13,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -24,12 +23,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from python_backends import procfs
+from python_backends.net import free_port
+from python_backends.repository import API_KEY_HEADER, GRPC_API_KEY_HEADER, TritonRepository
 from python_backends.watchdog import StubWatchdog
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 SHM_DIR = Path("/dev/shm")
-API_KEY_HEADER = "x-api-key"
-GRPC_API_KEY_HEADER = f"triton-grpc-protocol-{API_KEY_HEADER}"  # Triton's gRPC metadata name
 # Protected by --api-key. Health and metadata stay open for load balancers and discovery.
 RESTRICTED_APIS = (
     "inference", "model-repository", "model-config", "shared-memory", "statistics", "trace",
@@ -94,11 +93,11 @@ class ServerOptions:
     # died); "none": it may not. Every model is loaded at start either way.
     model_control: str = "explicit"
     # Threads per Python model instance in Triton's parent process. Every BLS request from the
-    # scheduler holds one until its first response arrives, and every response the scheduler
+    # front holds one until its first response arrives, and every response the front
     # sends passes through one, so the pool bounds how many requests reach the engines at once.
     # (The backend's default, 32, kept all but 32 waiting requests out of the engines' queues,
     # which then could not apply priority or tenant fairness to them.) Keep it above the
-    # scheduler's max_waiting_requests.
+    # front's max_waiting_requests.
     python_threads: int = 320
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
@@ -113,6 +112,10 @@ class ServerOptions:
     @property
     def metrics_url(self) -> str:
         return f"http://{self.host}:{self.metrics_port}/metrics"
+
+    def repository(self) -> TritonRepository:
+        """A client of this server's model-repository API."""
+        return TritonRepository(self.http_url, self.grpc_address, api_key=self.api_key)
 
 
 class TritonServer:
@@ -191,9 +194,7 @@ class TritonServer:
         """Start the stub watchdog (once): a dead model stub gets its model reloaded."""
         if self.watchdog is not None or self.process is None:
             return
-        from python_backends.autoscaler import TritonRepository
-
-        repo = TritonRepository.for_server(self.options)
+        repo = self.options.repository()
         self.watchdog = StubWatchdog(self.process.pid, repo, report=self._report)
         self.watchdog.start()
 
@@ -257,13 +258,6 @@ def _wait_group_gone(pgid: int, timeout_s: float = 10.0) -> None:
         if not any(p.pgrp == pgid and p.running for p in procfs.processes()):
             return
         time.sleep(0.1)
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (for tests and benchmarks beside a server)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _mapped_paths() -> set[str]:

@@ -2,14 +2,14 @@
 
 Why it exists: Triton's Python backend never restarts the stub of a decoupled model. If one
 dies (a crash, the OOM killer, a stray signal), every later request to that instance fails with
-"Stub process '<instance>' is not healthy" until the model is reloaded; for the `scheduler`
+"Stub process '<instance>' is not healthy" until the model is reloaded; for the `front`
 that is every request the server gets. The watchdog notices the missing process and reloads its
 model through the model-repository API (explicit model control), which starts a new stub; the
 other models, and requests in flight on them, are untouched. (Requests the dead stub held are
 not failed by Triton; their clients wait until their own timeout.)
 
 A stub is a child process of tritonserver running `triton_python_backend_stub`; its argv holds
-the model file and the instance name (for example `scheduler_0_0`). An instance is expected when
+the model file and the instance name (for example `front_0_0`). An instance is expected when
 its model is READY and the model's config lists it; it is dead when no live (non-zombie) stub
 carries its name for `grace_s` (a reload starts the new stubs before the model turns READY with
 the new config, so a reload never looks like a death).

@@ -22,7 +22,8 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from python_backends.autoscaler import Autoscaler, Controller, Policy, TritonRepository
+from python_backends.autoscaler import Autoscaler, Controller, Policy
+from python_backends.repository import TritonRepository
 
 
 def serve_metrics(controller: Controller, host: str, port: int) -> ThreadingHTTPServer:

@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 
-from python_backends.cancel_board import BoardCache, CancelBoard
 from python_backends.client import (
     LLMClient,
     StreamResult,
@@ -38,6 +37,7 @@ from python_backends.client import (
     scrape,
 )
 from python_backends.config import DEFAULT_ENGINE_DIR
+from python_backends.flag_board import BoardCache, FlagBoard
 from python_backends.kv_transfer import nixl
 from python_backends.kv_transfer.base import KVHandle, KVSink
 from python_backends.kv_transfer.host_shm import HostShmSink, HostShmSource, SharedPool
@@ -100,7 +100,7 @@ def bench_transports(repeats: int) -> list[dict[str, Any]]:
     proc = ctx.Process(target=_owner, args=(child,), daemon=True)
     proc.start()
     locations = parent.recv()
-    board = CancelBoard.create(size=8)
+    board = FlagBoard.create(size=8)
     boards = BoardCache()
     dst = allocate_pool(BENCH_LAYOUT)
     dst.view(-1).view(torch.uint8).fill_(1)  # touch every page before timing

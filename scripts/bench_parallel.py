@@ -32,9 +32,9 @@ import torch
 from python_backends.config import EngineLimits, ParallelLayout
 from python_backends.engine.builder import write_engine
 from python_backends.engine.llm_engine import LLMEngine
-from python_backends.engine.params import SamplingParams
-from python_backends.engine.placement import Placement
 from python_backends.parallel.context import COMM
+from python_backends.parallel.placement import Placement
+from python_backends.params import SamplingParams
 
 KINDS = ("broadcast", "all_reduce", "all_gather", "all_to_all", "send_recv")
 DEFAULT_LAYOUTS = "tp1,tp2,tp4,pp2,pp3,tp2-pp2,moe-ep1,moe-ep2,moe-ep4,moe-tp2-ep2"

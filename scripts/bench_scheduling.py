@@ -21,9 +21,9 @@ from python_backends.client import percentile
 from python_backends.config import DEFAULT_ENGINE_DIR, EngineConfig, EngineLimits
 from python_backends.engine.llm_engine import LLMEngine
 from python_backends.engine.loader import load_model
-from python_backends.engine.params import SamplingParams
 from python_backends.engine.waiting_queue import PriorityFairQueue
 from python_backends.models.llama import LlamaForCausalLM
+from python_backends.params import SamplingParams
 
 
 def make_engine(config: EngineConfig, model: LlamaForCausalLM, limits: EngineLimits,

@@ -28,11 +28,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from python_backends.autoscaler import TritonRepository
 from python_backends.client import LLMClient, percentile
 from python_backends.config import DEFAULT_ENGINE_DIR
 from python_backends.engine.builder import engine_variant
-from python_backends.launcher import ServerOptions, TritonServer, free_port
+from python_backends.launcher import ServerOptions, TritonServer
+from python_backends.net import free_port
+from python_backends.repository import TritonRepository
 
 WORD = " hello"  # one token per repetition in SmolLM2's tokenizer
 
@@ -171,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         with TritonServer(opts) as server:
             server.wait_ready(progress=True)
             client = LLMClient(opts.http_url)
-            repo = TritonRepository.for_server(opts)
+            repo = opts.repository()
             try:
                 if "priority" in parts:
                     measure_priority(client, repo, small_batch)

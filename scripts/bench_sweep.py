@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Concurrency sweep with aiperf: a results table (JSON, CSV) and PNG plots.
 
-Drives `ensemble/generate_stream` with aiperf (template endpoint, see PLATFORM.md) on a fixed
+Drives `ensemble/generate_stream` with aiperf (template endpoint, see docs/platform.md) on a fixed
 workload (--prompt-tokens, --output-tokens with the end id ignored) at each --concurrency, and
 optionally a peer OpenAI-compatible server (for example vLLM for CPU, started by you) with the
 same aiperf workload in the same run, then prints each level's figures and the ratios to the

@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
-"""Stress the scheduler's stub the way that used to kill it under Triton 2.51's Python backend.
+"""Stress the front's stub the way that used to kill it under Triton 2.51's Python backend.
 
 Each round reloads the `worker` model (onto a copy of the engine with a batch of 8), opens
 --streams streaming requests, lets them run a few seconds, closes them (the server sees client
 cancellations) and reloads the worker with its original config. Stops at the first stub death
 the launcher's watchdog reports (it restarts the model) or after --seconds, and prints the
 server-log lines about it. Before `python_backends/serving/bls.py` (see its docstring for the
-cause: BLS iterators freed without the GIL), the scheduler's stub died here with `double free or
+cause: BLS iterators freed without the GIL), the front's stub died here with `double free or
 corruption (fasttop)` or `malloc_consolidate(): unaligned fastbin chunk detected` after 1 to 22
 rounds of 16 streams on the 2-core development machine.
 
@@ -21,11 +21,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from python_backends.autoscaler import TritonRepository
 from python_backends.client import LLMClient
 from python_backends.config import DEFAULT_ENGINE_DIR
 from python_backends.engine.builder import engine_variant
-from python_backends.launcher import ServerOptions, TritonServer, free_port
+from python_backends.launcher import ServerOptions, TritonServer
+from python_backends.net import free_port
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_scheduling_server import WORD, Streams
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
             server.wait_ready(progress=True)
             assert server.watchdog is not None
             client = LLMClient(opts.http_url, timeout=60)
-            repo = TritonRepository.for_server(opts)
+            repo = opts.repository()
             start, rounds = time.monotonic(), 0
             while time.monotonic() - start < args.seconds and not server.watchdog.restarts:
                 rounds += 1

@@ -6,4 +6,5 @@ ensure_aiperf  # for tests/e2e/test_aiperf.py
 cd "$ROOT"
 "$PY" -m ruff check .
 "$PY" -m mypy
+"$VENV/bin/lint-imports" --no-cache --no-logo  # the import layering contracts in pyproject.toml
 exec "$PY" -m pytest "$@"

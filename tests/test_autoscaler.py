@@ -30,7 +30,7 @@ class Server:
         m: Metrics = {}
         for name, values in self.hist.items():
             m[f"{name}_bucket"] = {
-                labels(model="scheduler", le=("+Inf" if le == float("inf") else str(le))):
+                labels(model="front", le=("+Inf" if le == float("inf") else str(le))):
                     float(sum(v <= le for v in values)) for le in BUCKETS
             }
         for group in self.busy:

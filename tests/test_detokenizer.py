@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from python_backends.detokenizer import STREAM_CONTEXT_TOKENS, incremental_text, safe_text
-from python_backends.scheduler.stream import RequestStream
+from python_backends.front.stream import RequestStream
 
 ENGINE = Path(__file__).resolve().parents[1] / "engines" / "smollm2"
 TEXTS = [

@@ -47,24 +47,24 @@ def test_expected_instance_names() -> None:
 
 
 def test_dead_stub_reloads_its_model_once_after_the_grace_period() -> None:
-    repo = FakeRepo({"scheduler": python_model("scheduler"), "worker": python_model("worker"),
+    repo = FakeRepo({"front": python_model("front"), "worker": python_model("worker"),
                      "ensemble": {"name": "ensemble", "platform": "ensemble"}})
-    running = [Stub(10, "scheduler", "scheduler_0_0"), Stub(11, "worker", "worker_0_0")]
+    running = [Stub(10, "front", "front_0_0"), Stub(11, "worker", "worker_0_0")]
     clock, lines = Clock(), list[str]()
     dog = StubWatchdog(1, repo, grace_s=3.0, report=lines.append, stubs=lambda _pid: running,
                        clock=clock)
     assert dog.check() == []
-    running.pop(0)  # the scheduler's stub dies
+    running.pop(0)  # the front's stub dies
     assert dog.check() == []  # a reload also leaves a gap for a moment
     clock.t = 2.9
     assert dog.check() == []
     clock.t = 3.0
-    assert dog.check() == ["scheduler"]
-    assert repo.restarted == ["scheduler"] and dog.restarts == [("scheduler_0_0", "scheduler")]
-    assert any("scheduler_0_0: stub process gone" in line for line in lines)
-    running.append(Stub(12, "scheduler", "scheduler_0_0"))  # the reload started a new one
+    assert dog.check() == ["front"]
+    assert repo.restarted == ["front"] and dog.restarts == [("front_0_0", "front")]
+    assert any("front_0_0: stub process gone" in line for line in lines)
+    running.append(Stub(12, "front", "front_0_0"))  # the reload started a new one
     clock.t = 10.0
-    assert dog.check() == [] and repo.restarted == ["scheduler"]
+    assert dog.check() == [] and repo.restarted == ["front"]
 
 
 def test_instances_the_config_no_longer_lists_are_not_missed() -> None:
@@ -80,7 +80,7 @@ def test_instances_the_config_no_longer_lists_are_not_missed() -> None:
 
 
 def test_a_failed_reload_is_reported_once() -> None:
-    repo = FakeRepo({"scheduler": python_model("scheduler")}, fail=True)
+    repo = FakeRepo({"front": python_model("front")}, fail=True)
     clock, lines = Clock(), list[str]()
     dog = StubWatchdog(1, repo, grace_s=0.0, report=lines.append, stubs=lambda _pid: [],
                        clock=clock)
@@ -96,14 +96,14 @@ def test_live_stubs_reads_the_process_table(tmp_path: Path) -> None:
     until reaped) it is not."""
     stub = tmp_path / STUB_BINARY
     stub.symlink_to(sys.executable)  # python run under the stub's name
-    model_file = tmp_path / "repo" / "scheduler" / "1" / "model.py"
+    model_file = tmp_path / "repo" / "front" / "1" / "model.py"
     model_file.parent.mkdir(parents=True)
     model_file.write_text("import time\ntime.sleep(60)\n")
     proc = subprocess.Popen([str(stub), str(model_file), "shm", "1", "1", str(os.getpid()),
-                             "lib", "1", "scheduler_0_0", "DEFAULT"])
+                             "lib", "1", "front_0_0", "DEFAULT"])
     try:
         assert _eventually(lambda: live_stubs(os.getpid()) ==
-                           [Stub(proc.pid, "scheduler", "scheduler_0_0")])
+                           [Stub(proc.pid, "front", "front_0_0")])
         os.kill(proc.pid, signal.SIGKILL)  # not reaped: a zombie
         assert _eventually(lambda: live_stubs(os.getpid()) == [])
     finally:

@@ -1,6 +1,6 @@
 """The continuous-batching loop: one thread stepping the engine; requests join and leave
-between steps. Free of Triton, so it is tested directly; `serving.worker` wires it to
-response senders."""
+between steps. Free of Triton, so it is tested directly; `serving.generator` and
+`engine.prefiller` wire it to their callers through one `EngineListener`."""
 
 from __future__ import annotations
 
@@ -12,32 +12,48 @@ from dataclasses import dataclass
 
 import torch
 
-from python_backends.engine.llm_engine import KVFetch, LLMEngine, TokenEvent
-from python_backends.engine.params import SamplingParams
+from python_backends.engine.kv_handoff import KVFetch
+from python_backends.engine.llm_engine import LLMEngine, TokenEvent
+from python_backends.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
 
+class EngineListener:
+    """What the loop tells its owner; every method runs on the loop thread and must not block.
+    Subclasses override `on_tokens` and `on_finished_early`; the others default to nothing."""
+
+    def on_tokens(self, events: list[TokenEvent]) -> None:
+        """After a step: one event per sequence that drew a token."""
+        raise NotImplementedError
+
+    def on_finished_early(self, seq_id: str, error: Exception | None) -> None:
+        """A sequence ended without a token: cancelled (error None), refused (a ValueError: it
+        can never fit) or failed (another exception)."""
+        raise NotImplementedError
+
+    def is_cancelled(self, seq_id: str) -> bool:
+        """Polled for every sequence before each step: True aborts it."""
+        return False
+
+    def on_step(self, engine: LLMEngine) -> None:
+        """After every step, and about twice a second while idle."""
+
+
 @dataclass(frozen=True)
 class _Add:
-    seq_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    priority: int
-    tenant: str
-    prefill_only: bool = False
+    seq: Sequence
 
 
 @dataclass(frozen=True)
-class _Handoff(_Add):
-    first_token: int = 0
-    first_logprob: float = 0.0
-    num_kv_tokens: int = 0
-    fetch: KVFetch = lambda _blocks: False
+class _Import:
+    seq: Sequence
+    num_kv_tokens: int
+    fetch: KVFetch
 
 
 @dataclass(frozen=True)
-class _Call:
+class _RunOnLoop:
     fn: Callable[[LLMEngine], None]
 
 
@@ -47,28 +63,13 @@ class _Abort:
 
 
 class EngineLoop:
-    """Owns the engine after `start()`: every other thread talks to it through `submit` and
-    `abort`, so the engine itself needs no locks.
+    """Owns the engine after `start()`: every other thread talks to it through `submit`,
+    `submit_import`, `abort` and `call`, so the engine itself needs no locks."""
 
-    Callbacks run on the loop thread: `on_tokens` after each step, `on_finished_early` when a
-    sequence ends without a token: cancelled (error None), refused (a ValueError: it can never
-    fit) or failed (another exception).
-    """
-
-    def __init__(
-        self,
-        engine: LLMEngine,
-        on_tokens: Callable[[list[TokenEvent]], None],
-        on_finished_early: Callable[[str, Exception | None], None],
-        is_cancelled: Callable[[str], bool] = lambda _seq_id: False,
-        on_step: Callable[[LLMEngine], None] = lambda _engine: None,
-    ) -> None:
+    def __init__(self, engine: LLMEngine, listener: EngineListener) -> None:
         self.engine = engine
-        self._on_tokens = on_tokens
-        self._on_finished_early = on_finished_early
-        self._is_cancelled = is_cancelled
-        self._on_step = on_step
-        self._inbox: queue.Queue[_Add | _Abort | _Call | None] = queue.Queue()
+        self._listener = listener
+        self._inbox: queue.Queue[_Add | _Import | _Abort | _RunOnLoop | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._stopping = False
 
@@ -82,25 +83,17 @@ class EngineLoop:
             self._thread.join(timeout)
         self.engine.close()
 
-    def submit(
-        self, seq_id: str, prompt_ids: list[int], params: SamplingParams,
-        priority: int = 0, tenant: str = "default", prefill_only: bool = False,
-    ) -> None:
-        self._inbox.put(_Add(seq_id, prompt_ids, params, priority, tenant, prefill_only))
+    def submit(self, seq: Sequence) -> None:
+        self._inbox.put(_Add(seq))
+
+    def submit_import(self, seq: Sequence, num_kv_tokens: int, fetch: KVFetch) -> None:
+        """A sequence another instance prefilled (see KVHandoff.add); `fetch` runs on the loop
+        thread."""
+        self._inbox.put(_Import(seq, num_kv_tokens, fetch))
 
     def call(self, fn: Callable[[LLMEngine], None]) -> None:
         """Run `fn(engine)` on the loop thread between steps (e.g. to free blocks)."""
-        self._inbox.put(_Call(fn))
-
-    def submit_handoff(
-        self, seq_id: str, prompt_ids: list[int], params: SamplingParams, first_token: int,
-        first_logprob: float, num_kv_tokens: int, fetch: KVFetch, priority: int = 0,
-        tenant: str = "default",
-    ) -> None:
-        """A sequence another instance prefilled (see LLMEngine.add_handoff); `fetch` runs on
-        the loop thread."""
-        self._inbox.put(_Handoff(seq_id, prompt_ids, params, priority, tenant, False,
-                                 first_token, first_logprob, num_kv_tokens, fetch))
+        self._inbox.put(_RunOnLoop(fn))
 
     def abort(self, seq_id: str) -> None:
         self._inbox.put(_Abort(seq_id))
@@ -117,34 +110,42 @@ class EngineLoop:
             except queue.Empty:
                 return
 
-    def _apply(self, msg: _Add | _Abort | _Call) -> None:
-        if isinstance(msg, _Call):
+    def _apply(self, msg: _Add | _Import | _Abort | _RunOnLoop) -> None:
+        if isinstance(msg, _RunOnLoop):
             try:
                 msg.fn(self.engine)
             except Exception:
                 log.exception("a call on the engine loop failed")
-        elif isinstance(msg, _Add):
+        elif isinstance(msg, _Abort):
+            if self.engine.abort(msg.seq_id) is not None:
+                self._listener.on_finished_early(msg.seq_id, None)
+        else:
             try:
-                if isinstance(msg, _Handoff):
-                    self.engine.add_handoff(
-                        msg.seq_id, msg.prompt_ids, msg.first_token, msg.first_logprob,
-                        msg.params, msg.num_kv_tokens, msg.fetch, msg.priority, msg.tenant,
-                    )
+                if isinstance(msg, _Import):
+                    self.engine.handoff.add(msg.seq, msg.num_kv_tokens, msg.fetch)
                 else:
-                    self.engine.add_request(
-                        msg.seq_id, msg.prompt_ids, msg.params, msg.priority, msg.tenant,
-                        msg.prefill_only,
-                    )
+                    self.engine.add(msg.seq)
             except ValueError as e:
-                self._on_finished_early(msg.seq_id, e)
-        elif self.engine.abort(msg.seq_id) is not None:
-            self._on_finished_early(msg.seq_id, None)
+                self._listener.on_finished_early(msg.seq.seq_id, e)
 
     def _cancel_abandoned(self) -> None:
         for seq in self.engine.sequences():
-            if self._is_cancelled(seq.seq_id):
+            if self._listener.is_cancelled(seq.seq_id):
                 self.engine.abort(seq.seq_id)
-                self._on_finished_early(seq.seq_id, None)
+                self._listener.on_finished_early(seq.seq_id, None)
+
+    def _step(self) -> None:
+        try:
+            events = self.engine.step()
+        except Exception as e:  # a bug must not wedge every request: fail them, keep serving
+            log.exception("engine step failed; aborting all sequences")
+            for seq in self.engine.sequences():
+                self.engine.abort(seq.seq_id)
+                self._listener.on_finished_early(seq.seq_id,
+                                                 RuntimeError(f"engine step failed: {e}"))
+            return
+        if events:
+            self._listener.on_tokens(events)
 
     def _run(self) -> None:
         if self.engine.device.type == "cuda":  # the current CUDA device is per thread
@@ -154,17 +155,6 @@ class EngineLoop:
             if self._stopping:
                 break
             self._cancel_abandoned()
-            if not self.engine.has_unfinished:
-                self._on_step(self.engine)
-                continue
-            try:
-                events = self.engine.step()
-            except Exception as e:  # a bug must not wedge every request: fail them, keep serving
-                log.exception("engine step failed; aborting all sequences")
-                for seq in self.engine.sequences():
-                    self.engine.abort(seq.seq_id)
-                    self._on_finished_early(seq.seq_id, RuntimeError(f"engine step failed: {e}"))
-                events = []
-            if events:
-                self._on_tokens(events)
-            self._on_step(self.engine)
+            if self.engine.has_unfinished:
+                self._step()
+            self._listener.on_step(self.engine)

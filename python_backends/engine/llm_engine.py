@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,28 +12,19 @@ import torch
 
 from python_backends.config import EngineConfig
 from python_backends.engine.block_manager import BlockManager
-from python_backends.engine.loader import load_model
-from python_backends.engine.model_runner import ModelRunner
-from python_backends.engine.params import FinishReason, SamplingParams
-from python_backends.engine.placement import Placement
+from python_backends.engine.kv_handoff import KVHandoff
+from python_backends.engine.loader import kv_layout, load_model
+from python_backends.engine.model_runner import rank_runner
+from python_backends.engine.ranks import RankGroup
 from python_backends.engine.sampler import SampleResult, sample
 from python_backends.engine.scheduler import Scheduler, SchedulerOutput
-from python_backends.engine.sequence import Sequence, SequenceStatus
+from python_backends.engine.sequence import Sequence
 from python_backends.engine.waiting_queue import WaitingQueue
-from python_backends.kv_transfer.layout import KVLayout, allocate_pool
+from python_backends.kv_transfer.layout import KVLayout
 from python_backends.models.llama import LlamaForCausalLM
 from python_backends.parallel.context import ParallelContext
-from python_backends.parallel.group import RankGroup
-
-# Copies a handed-off sequence's KV into the given local blocks; False: not possible (recompute).
-KVFetch = Callable[[list[int]], bool]
-
-
-@dataclass
-class _Handoff:
-    seq: Sequence
-    num_kv_tokens: int
-    fetch: KVFetch
+from python_backends.parallel.placement import Placement
+from python_backends.params import FinishReason, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -72,38 +63,29 @@ class EngineStats:
 
 
 class LLMEngine:
+    """One engine instance: add sequences, step, abort, report stats. The KV handoff between
+    instances is a component of its own (`handoff`)."""
+
     def __init__(
         self, config: EngineConfig, model: LlamaForCausalLM, num_kv_blocks: int,
         enable_chunked_prefill: bool = True, waiting: WaitingQueue | None = None,
         kv_pool: torch.Tensor | None = None, group: RankGroup | None = None,
     ) -> None:
-        """`kv_pool`: the pool KV transports see, a tensor of `self.kv_layout.shape` (shared
-        memory for host_shm), else one is allocated when first used. `group`: ranks 1..N-1 of a
-        multi-rank engine (this process is rank 0 and `model` holds its shards); closed by
-        `close`.
-
-        The pool transports see always has the whole model's layout (every layer, every KV
-        head), so engines with different TP/PP layouts can hand KV to each other. A single-rank
-        engine computes in it directly; a multi-rank one computes in per-rank slices and copies
-        a handed-off sequence's blocks into it (gathered from the ranks) when its prefill ends,
-        and out of it (scattered to the ranks) when a handoff arrives."""
+        """`model`: rank 0's. `kv_pool`: the pool KV transports see (see KVHandoff), a tensor of
+        the whole-model layout. `group`: ranks 1..N-1 of a multi-rank engine, closed by
+        `close`."""
         self.config = config
-        self.kv_layout = kv_layout(config, num_kv_blocks, whole=True)
-        if kv_pool is not None and kv_pool.shape != self.kv_layout.shape:
-            raise ValueError(f"KV pool shape {tuple(kv_pool.shape)} != {self.kv_layout.shape}")
-        self._handoff_pool = kv_pool
         self.device = model.ctx.device
         self.devices = group.devices if group is not None else [self.device]  # rank r's
-        work_pool = kv_pool if group is None else None
-        if work_pool is None:
-            work_pool = allocate_pool(kv_layout(config, num_kv_blocks), device=self.device)
         self.blocks = BlockManager(num_kv_blocks, config.limits.block_size)
         self.scheduler = Scheduler(config.limits, self.blocks, enable_chunked_prefill, waiting)
-        self.runner = ModelRunner(model, work_pool, config.limits.block_size, group)
-        self._handoffs: deque[_Handoff] = deque()
+        whole = kv_layout(config, num_kv_blocks, whole=True)
+        if kv_pool is not None and kv_pool.shape != whole.shape:
+            raise ValueError(f"KV pool shape {tuple(kv_pool.shape)} != {whole.shape}")
+        self.runner = rank_runner(config, model, num_kv_blocks,
+                                  kv_pool if group is None else None, group)
+        self.handoff = KVHandoff(whole, self.runner, self.blocks, self.scheduler, kv_pool)
         self.busy_seconds = 0.0
-        # Called after a step's handoffs were pulled (a KV sink sends their releases).
-        self.after_handoffs: Callable[[], None] = lambda: None
 
     @classmethod
     def from_engine_dir(
@@ -137,91 +119,38 @@ class LLMEngine:
         if self.runner.group is not None:
             self.runner.group.close()
 
-    @property
-    def kv_pool(self) -> torch.Tensor:
-        """The pool KV transports read from and write into (see __init__)."""
-        if self.runner.group is None:
-            return self.runner.kv_pool
-        if self._handoff_pool is None:
-            self._handoff_pool = allocate_pool(self.kv_layout, device=self.device)
-        return self._handoff_pool
+    def add(self, seq: Sequence) -> None:
+        """Queue a sequence; a ValueError if it can never fit."""
+        self.scheduler.add(seq)
 
     def add_request(
         self, seq_id: str, prompt_ids: list[int], params: SamplingParams,
         priority: int = 0, tenant: str = "default", prefill_only: bool = False,
     ) -> Sequence:
-        """Queue a sequence. `prefill_only`: stop after the first token and keep the blocks
-        (see Sequence.prefill_only); the caller releases them with `blocks.release`."""
+        """`add` a sequence made of these parts. `prefill_only`: stop after the first token and
+        keep the blocks (see Sequence.prefill_only); the caller releases them with
+        `blocks.release`."""
         seq = Sequence(seq_id, list(prompt_ids), params, priority=priority, tenant=tenant,
                        prefill_only=prefill_only)
-        self.scheduler.add(seq)
+        self.add(seq)
         return seq
-
-    def add_handoff(
-        self, seq_id: str, prompt_ids: list[int], first_token: int, first_logprob: float,
-        params: SamplingParams, num_kv_tokens: int, fetch: KVFetch,
-        priority: int = 0, tenant: str = "default",
-    ) -> Sequence:
-        """Continue a sequence another instance prefilled: it has its first token, and the KV of
-        its first `num_kv_tokens` tokens is elsewhere. Before the next step, blocks are
-        allocated and `fetch` fills them; if it cannot, the prompt is recomputed here."""
-        seq = Sequence(seq_id, list(prompt_ids), params, priority=priority, tenant=tenant)
-        seq.output_ids.append(first_token)
-        seq.first_token_time = time.monotonic()  # decode time counts from the handoff
-        if params.return_log_probs:
-            seq.output_logprobs.append(first_logprob)
-        if num_kv_tokens > seq.num_prompt_tokens:
-            raise ValueError(f"{num_kv_tokens} KV tokens for a {seq.num_prompt_tokens}-token "
-                             "prompt")
-        self.scheduler.check_fits(seq)
-        self._handoffs.append(_Handoff(seq, num_kv_tokens, fetch))
-        return seq
-
-    def _admit_handoffs(self) -> None:
-        """Pull handed-off KV while blocks are free (in arrival order), then queue the
-        sequences like any other: computed up to the handed-off tokens, or not at all."""
-        admitted = False
-        while self._handoffs:
-            h = self._handoffs[0]
-            need = self.blocks.blocks_for(h.num_kv_tokens)
-            if not self.blocks.can_allocate(need) and self.scheduler.has_unfinished:
-                break  # blocks free up as running sequences finish
-            self._handoffs.popleft()
-            admitted = True
-            blocks = self.blocks.allocate(need) if self.blocks.can_allocate(need) else None
-            if blocks is not None and h.fetch(blocks):
-                if self.runner.group is not None:  # scatter the whole-model KV to the ranks
-                    self.runner.group.import_kv(self.runner.kv_pool, self.kv_pool, blocks)
-                h.seq.block_table = blocks
-                h.seq.num_computed_tokens = h.num_kv_tokens
-            elif blocks is not None:
-                self.blocks.release(blocks)
-            self.scheduler.add(h.seq)
-        if admitted:
-            self.after_handoffs()
 
     def abort(self, seq_id: str) -> Sequence | None:
-        for h in self._handoffs:
-            if h.seq.seq_id == seq_id:
-                self._handoffs.remove(h)
-                h.seq.status = SequenceStatus.FINISHED
-                h.seq.finish_reason = FinishReason.CANCELLED
-                return h.seq
-        return self.scheduler.abort(seq_id)
+        return self.handoff.abort(seq_id) or self.scheduler.abort(seq_id)
 
     def sequences(self) -> list[Sequence]:
-        """Every unfinished sequence: running, waiting or handed off and not yet admitted."""
+        """Every unfinished sequence: running, waiting, or imported and not yet scheduled."""
         return [*self.scheduler.running, *self.scheduler.waiting,
-                *(h.seq for h in self._handoffs)]
+                *(i.seq for i in self.handoff.imports)]
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self._handoffs) or self.scheduler.has_unfinished
+        return bool(self.handoff.imports) or self.scheduler.has_unfinished
 
     def step(self) -> list[TokenEvent]:
         """schedule -> run -> sample -> update; returns one event per sampled sequence."""
         start = time.perf_counter()
-        self._admit_handoffs()
+        self.handoff.pull()
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
@@ -235,10 +164,7 @@ class LLMEngine:
         result = sample(sampling, logits) if sampling else SampleResult([], None)
         seqs = self.scheduler.update(out, result)
         events = [self._event(s) for s in seqs]
-        if self.runner.group is not None:
-            handed = [b for e in events if e.kv_blocks for b in e.kv_blocks]
-            if handed:  # gather their KV from the ranks into the pool transports read
-                self.runner.group.export_kv(self.runner.kv_pool, self.kv_pool, handed)
+        self.handoff.export([b for e in events if e.kv_blocks for b in e.kv_blocks])
         return events
 
     @staticmethod
@@ -271,7 +197,7 @@ class LLMEngine:
             kv_blocks_used=self.blocks.num_used,
             kv_blocks_total=self.blocks.num_blocks,
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting) + len(self._handoffs),
+            num_waiting=len(self.scheduler.waiting) + len(self.handoff.imports),
             num_preemptions=self.scheduler.num_preemptions,
             num_prompt_tokens_computed=self.scheduler.num_prompt_tokens_computed,
             busy_seconds=self.busy_seconds,
@@ -281,17 +207,3 @@ class LLMEngine:
             ranks_total=self.config.parallel.world_size,
             devices=tuple(str(d) for d in self.devices),
         )
-
-
-
-def kv_layout(config: EngineConfig, num_kv_blocks: int, rank: int = 0,
-              whole: bool = False) -> KVLayout:
-    """The KV pool of rank `rank`: its stage's layers and its tensor-parallel share of heads;
-    `whole`: every layer and head (what KV transports move, whatever the layout)."""
-    ctx = ParallelContext() if whole else ParallelContext(config.parallel, rank)
-    m = config.model
-    return KVLayout(
-        num_layers=len(ctx.layout.stage_layers(m.num_layers, ctx.pp_rank)),
-        num_kv_heads=m.num_kv_heads // ctx.tp_size, head_dim=m.head_dim,
-        block_size=config.limits.block_size, dtype=config.dtype, num_blocks=num_kv_blocks,
-        tp_rank=ctx.tp_rank, tp_size=ctx.tp_size)

@@ -8,6 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from python_backends.config import SUPPORTED_DTYPES, EngineConfig, EngineConfigError
+from python_backends.kv_transfer.layout import KVLayout
 from python_backends.models.llama import LlamaForCausalLM
 from python_backends.parallel.context import ParallelContext
 
@@ -64,3 +65,14 @@ def load_model(
     model.pack_linears()
     return model
 
+def kv_layout(config: EngineConfig, num_kv_blocks: int, rank: int = 0,
+              whole: bool = False) -> KVLayout:
+    """The KV pool of rank `rank`: its stage's layers and its tensor-parallel share of heads;
+    `whole`: every layer and head (what KV transports move, whatever the layout)."""
+    ctx = ParallelContext() if whole else ParallelContext(config.parallel, rank)
+    m = config.model
+    return KVLayout(
+        num_layers=len(ctx.layout.stage_layers(m.num_layers, ctx.pp_rank)),
+        num_kv_heads=m.num_kv_heads // ctx.tp_size, head_dim=m.head_dim,
+        block_size=config.limits.block_size, dtype=config.dtype, num_blocks=num_kv_blocks,
+        tp_rank=ctx.tp_rank, tp_size=ctx.tp_size)

@@ -3,19 +3,25 @@
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING
 
 import torch
 
-from python_backends.engine.attention import (
+from python_backends.config import EngineConfig
+from python_backends.engine.loader import kv_layout
+from python_backends.engine.scheduler import ScheduledSequence, SchedulerOutput
+from python_backends.engine.sequence import Sequence
+from python_backends.kv_transfer.layout import allocate_pool
+from python_backends.models.attention import (
     AttentionMetadata,
     DecodeBatch,
     PrefillSpan,
     causal_mask,
 )
-from python_backends.engine.scheduler import ScheduledSequence, SchedulerOutput
-from python_backends.engine.sequence import Sequence
 from python_backends.models.llama import LlamaForCausalLM
-from python_backends.parallel.group import RankGroup
+
+if TYPE_CHECKING:  # ranks builds its runners here
+    from python_backends.engine.ranks import RankGroup
 
 
 class ModelRunner:
@@ -132,3 +138,15 @@ class ModelRunner:
         if current:
             out.append(tuple(current))
         return out
+
+
+def rank_runner(config: EngineConfig, model: LlamaForCausalLM, num_kv_blocks: int,
+                kv_pool: torch.Tensor | None = None, group: RankGroup | None = None,
+                ) -> ModelRunner:
+    """The runner of rank `model.ctx.rank` over its KV slice (`kv_pool`, else allocated on the
+    model's device). Every rank of an engine is built by this: rank 0 in LLMEngine, ranks
+    1..N-1 in engine.ranks.rank_main. `group`: rank 0's handle on the others."""
+    if kv_pool is None:
+        layout = kv_layout(config, num_kv_blocks, model.ctx.rank)
+        kv_pool = allocate_pool(layout, device=model.ctx.device)
+    return ModelRunner(model, kv_pool, config.limits.block_size, group)

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from python_backends.engine.params import SamplingParams
 from python_backends.engine.sequence import Sequence
+from python_backends.params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,12 @@
 """The engine's batch scheduler: which sequences compute how many tokens in the next step.
 
 Running sequences go first (their next token or next prompt chunk, most important first), then
-waiting ones are admitted in the waiting queue's order (see waiting_queue) while the step's
+waiting ones start in the waiting queue's order (see waiting_queue) while the step's
 token budget, the batch size and the free KV blocks allow. When a running sequence needs a block
 and none is free, the least important running sequence (lowest priority, then most recently
-admitted) is preempted by recompute: its blocks are freed and it returns to the front of its
+started) is preempted by recompute: its blocks are freed and it returns to the front of its
 queue with its generated tokens, so it later resumes with the same output. A waiting sequence
-that outranks running ones and cannot be admitted preempts the same way.
+that outranks running ones and cannot start preempts the same way.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 from python_backends.config import EngineLimits
 from python_backends.engine.block_manager import BlockManager
-from python_backends.engine.params import FinishReason
 from python_backends.engine.sampler import SampleResult
 from python_backends.engine.sequence import Sequence, SequenceStatus
 from python_backends.engine.waiting_queue import FcfsQueue, WaitingQueue
+from python_backends.params import FinishReason
 
 
 @dataclass(frozen=True)
@@ -117,7 +117,7 @@ class Scheduler:
             running.append(seq)
             budget -= n
         running.extend(queue)  # budget ran out: they keep their place and run next step
-        if not preempted:  # after a block shortage, admitting more would only thrash
+        if not preempted:  # after a block shortage, starting more would only thrash
             while budget > 0 and len(running) < self.limits.max_num_seqs:
                 head = self.waiting.peek()
                 if head is None:
@@ -146,7 +146,7 @@ class Scheduler:
 
     def _preempt_for_priority(self) -> list[Sequence]:
         """Make room for a waiting sequence that outranks running ones: while it cannot be
-        admitted (batch full, or too few free blocks for its next chunk), preempt the least
+        started (batch full, or too few free blocks for its next chunk), preempt the least
         important running sequence below its priority. The victims' blocks are freed here."""
         victims: list[Sequence] = []
         head = self.waiting.peek()
@@ -214,7 +214,7 @@ class Scheduler:
 
 
 def importance(seq: Sequence) -> tuple[int, int]:
-    """Orders sequences for preemption: higher priority, then earlier admission, ranks higher."""
+    """Orders sequences for preemption: higher priority, then started earlier, ranks higher."""
     return seq.priority, -seq.arrival
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from python_backends.engine.params import FinishReason, SamplingParams
+from python_backends.params import FinishReason, SamplingParams
 
 
 class SequenceStatus(enum.Enum):
@@ -27,9 +27,9 @@ class Sequence:
     seq_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    priority: int = 0  # higher is admitted first and preempted last
+    priority: int = 0  # higher is started first and preempted last
     tenant: str = "default"
-    arrival: int = 0  # admission order, set by the scheduler
+    arrival: int = 0  # arrival order at the scheduler, set by it
     arrival_time: float = field(default_factory=time.monotonic)
     queue_time: float | None = None  # arrival to first scheduled step, set by the scheduler
     first_token_time: float | None = None  # first token drawn here (or handed-off arrival)
@@ -47,6 +47,14 @@ class Sequence:
     def __post_init__(self) -> None:
         if self.params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    def continue_from(self, first_token: int, first_logprob: float) -> None:
+        """This sequence was prefilled by another instance, which drew its first token; its
+        decode time counts from now."""
+        self.output_ids.append(first_token)
+        self.first_token_time = time.monotonic()
+        if self.params.return_log_probs:
+            self.output_logprobs.append(first_logprob)
 
     @property
     def num_prompt_tokens(self) -> int:

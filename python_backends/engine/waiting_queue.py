@@ -1,10 +1,10 @@
-"""Admission order of an engine's waiting sequences.
+"""The order in which an engine starts its waiting sequences.
 
 Two policies behind one small interface: `FcfsQueue` (arrival order) and `PriorityFairQueue`
 (strict priority classes; within a class, deficit round robin over tenants, charged in tokens, so
 a tenant sending ten times more requests does not get ten times the service).
 
-Preempted sequences return to the front of their queue: they were admitted before and keep
+Preempted sequences return to the front of their queue: they started before and keep
 their place.
 """
 
@@ -31,7 +31,7 @@ class WaitingQueue(abc.ABC):
 
     @abc.abstractmethod
     def peek(self) -> Sequence | None:
-        """The sequence to admit next; repeated calls return it until `pop` takes it."""
+        """The sequence to start next; repeated calls return it until `pop` takes it."""
 
     @abc.abstractmethod
     def pop(self) -> Sequence: ...

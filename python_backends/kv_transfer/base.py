@@ -2,7 +2,7 @@
 
 Protocol, whatever the transport:
 1. The owner (a prefill instance) computes a prompt and keeps its blocks under a lease: a release
-   ticket on the owner's release board (python_backends.cancel_board) and a deadline.
+   ticket on the owner's release board (python_backends.flag_board) and a deadline.
 2. The handle (JSON, a few hundred bytes plus the transport's location) travels with the request.
 3. The puller (a decode instance) allocates blocks and `fetch`es the owner's blocks into them,
    then releases the lease (NIXL: a notification, batched until `flush`; same node: the flag
@@ -23,7 +23,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
-from python_backends.cancel_board import BoardCache
+from python_backends.flag_board import BoardCache
 from python_backends.kv_transfer.layout import KVLayout
 
 

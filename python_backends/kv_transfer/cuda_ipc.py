@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
-from python_backends.cancel_board import BoardCache
+from python_backends.flag_board import BoardCache
 from python_backends.kv_transfer.base import Failure, KVHandle, KVSink, KVSource, TransferError
 from python_backends.kv_transfer.layout import KVLayout
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from python_backends.cancel_board import BoardCache
+from python_backends.flag_board import BoardCache
 from python_backends.kv_transfer import TRANSPORTS, nixl
 from python_backends.kv_transfer.base import KVSink, KVSource
 from python_backends.kv_transfer.layout import KVLayout

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from python_backends.cancel_board import SHM_DIR, BoardCache
+from python_backends.flag_board import SHM_DIR, BoardCache
 from python_backends.kv_transfer.base import Failure, KVHandle, KVSink, KVSource, TransferError
 from python_backends.kv_transfer.layout import KVLayout, allocate_pool, byte_ranges
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from python_backends.config import DTYPE_BYTES
 
-if TYPE_CHECKING:  # torch only where a pool is allocated: the scheduler's stub reads layouts
+if TYPE_CHECKING:  # torch only where a pool is allocated: the front's stub reads layouts
     import torch
 
 

@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from python_backends.cancel_board import CancelBoard
+from python_backends.flag_board import FlagBoard
 
 
 @dataclass(frozen=True)
@@ -24,10 +24,10 @@ class Reaped:
 
 class LeaseTable:
     """Leases by ticket. Releases arrive as raised flags on `board` (pullers on this node, and
-    the scheduler when a client cancels between prefill and decode) or as tickets a transport
+    the front when a client cancels between prefill and decode) or as tickets a transport
     delivered (`reap(released=...)`)."""
 
-    def __init__(self, board: CancelBoard, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, board: FlagBoard, clock: Callable[[], float] = time.time) -> None:
         self.board = board
         self._clock = clock
         self._leases: dict[int, Lease] = {}

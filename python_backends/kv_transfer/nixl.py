@@ -8,7 +8,7 @@ step's pulls): a transfer posted right behind a notification to the same peer wa
 for it here.
 
 Agents run without NIXL's progress thread (on a small CPU it spins a core and collapsed
-throughput; see PLATFORM.md), so each side progresses its agent itself: the puller by polling
+throughput; see docs/platform.md), so each side progresses its agent itself: the puller by polling
 its transfer, the owner by polling notifications (`released`) while it holds leases. An agent is
 not thread-safe: every call goes through the wrapper's lock.
 """
@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from python_backends.cancel_board import BoardCache
+from python_backends.flag_board import BoardCache
 from python_backends.kv_transfer.base import Failure, KVHandle, KVSink, KVSource, TransferError
 from python_backends.kv_transfer.layout import KVLayout, byte_ranges
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from python_backends.config import ModelConfig, RopeScaling
-from python_backends.engine.attention import AttentionMetadata, paged_attention, write_kv
+from python_backends.models.attention import AttentionMetadata, paged_attention, write_kv
 from python_backends.parallel.context import ParallelContext
 from python_backends.parallel.layers import (
     ColumnParallelLinear,

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from python_backends.config import ParallelLayout
-from python_backends.engine.placement import CPU
+from python_backends.parallel.placement import CPU
 
 
 @dataclass(frozen=True)

@@ -1,23 +1,9 @@
-"""Decoupled BLS calls, with the workaround for a Triton 2.51 crash that they otherwise cause.
+"""Decoupled BLS calls, each finished iterator held for a while: Triton 2.51 may otherwise free
+it without the GIL and corrupt the stub's heap (docs/platform.md, "Python backend").
 
-The crash: a decoupled BLS call's response iterator has two owners, the Python object its
-caller iterates and the stub's own map of live iterators. After the final response the stub
-erases its map entry on its stub-to-parent thread, which does not hold the GIL. When that erase
-drops the last reference, the iterator's responses are freed on that thread, and with them the
-NumPy arrays their tensors keep (2.51's `~PbTensor` does not take the GIL; later releases do).
-Python objects freed without the GIL corrupt CPython's small-object allocator, and the stub
-segfaults at some later allocation (in libpython), leaving every request it held hanging. The
-scheduler, the one model that makes BLS calls, crashed this way about once in a few full test
-runs; under gdb, about one iterator in five was destroyed in `Stub::SendCleanupId` with
-`PyGILState_Check() == 0`.
-
-The workaround: `BLSStreams.stream` reads each call through its final response, then keeps the
-iterator referenced for `hold_s` seconds, far longer than the stub takes to erase its entry
-(milliseconds). The reference is then dropped by a Python thread, under the GIL, and it is the
-last one. The cost: the responses of the last `hold_s` seconds of calls stay in the stub's
-shared-memory pool (a few hundred bytes per response), and after a burst the last ones stay
-until the next call or `close`.
-"""
+`BLSStreams.stream` reads a call through its final response, then keeps the iterator referenced
+for `hold_s` seconds (the stub erases its own reference within milliseconds), so the last
+reference is dropped by a Python thread, under the GIL."""
 
 from __future__ import annotations
 

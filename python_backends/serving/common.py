@@ -5,17 +5,20 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from python_backends.cancel_board import BoardCache, CancelBoard
 from python_backends.config import DEFAULT_ENGINE_DIR, ENGINE_DIR_ENV
+from python_backends.flag_board import BoardCache, FlagBoard
+from python_backends.wire import EngineRequest, Message
 
 if TYPE_CHECKING:
-    from python_backends.engine.placement import Placement
+    from python_backends.parallel.placement import Placement
 
 
 class ModelArgs:
@@ -30,7 +33,7 @@ class ModelArgs:
     @property
     def placement(self) -> Placement:
         """Where Triton put this instance (imported here: front-end models need no torch)."""
-        from python_backends.engine.placement import Placement
+        from python_backends.parallel.placement import Placement
 
         return Placement.from_triton_args(self._args)
 
@@ -86,28 +89,48 @@ def inputs_of(request: Any) -> dict[str, np.ndarray]:
     return {t.name(): t.as_numpy() for t in request.inputs()}
 
 
-def first(inputs: dict[str, np.ndarray], name: str) -> Any:
-    """The single value of a one-element input (whatever its batch shape)."""
-    return inputs[name].reshape(-1)[0]
+def outputs_of(response: Any) -> dict[str, np.ndarray]:
+    return {t.name(): t.as_numpy() for t in response.output_tensors()}
 
 
-def first_bytes(inputs: dict[str, np.ndarray], name: str) -> bytes:
-    return bytes(first(inputs, name))
+def tensors(message: Message, batched: bool) -> list[Any]:
+    """`message` as Triton tensors; `batched`: for a model with a max_batch_size."""
+    return [pb_utils.Tensor(name, arr) for name, arr in message.encode(batched).items()]
 
 
-def cancel_target(inputs: dict[str, np.ndarray], boards: BoardCache) -> tuple[CancelBoard, int]:
-    """The cancel board and ticket the scheduler attached to a request (see cancel_board)."""
-    board = boards.get(first_bytes(inputs, "CANCEL_BOARD").decode())
-    return board, int(first(inputs, "CANCEL_TICKET"))
+def response(message: Message, batched: bool) -> Any:
+    return pb_utils.InferenceResponse(tensors(message, batched))
 
 
-def tensor(name: str, array: np.ndarray) -> Any:
-    return pb_utils.Tensor(name, array)
+def bls_request(model: str, message: Message, batched: bool, answer: type[Message]) -> Any:
+    """A BLS request of `message` to `model`, asking for the tensors of `answer`."""
+    return pb_utils.InferenceRequest(model_name=model, inputs=tensors(message, batched),
+                                     requested_output_names=answer.names())
 
 
-def bytes_tensor(name: str, values: list[str | bytes], batch: bool = True) -> Any:
-    arr = np.array([v.encode() if isinstance(v, str) else v for v in values], dtype=np.object_)
-    return pb_utils.Tensor(name, arr[None, :] if batch else arr)
+@dataclass(frozen=True)
+class EngineCall:
+    """An EngineRequest as an engine model received it: whom to answer, and the front's cancel
+    board and ticket (None for a direct caller, which attaches none; see flag_board)."""
+
+    sender: Any
+    message: EngineRequest
+    board: FlagBoard | None
+    ticket: int
+
+
+def engine_calls(requests: list[Any], boards: BoardCache, model: str) -> Iterator[EngineCall]:
+    """Decode each request of an engine model's `execute`; a malformed one (a bug in its
+    caller) is answered with an error at once and skipped."""
+    for request in requests:
+        sender = request.get_response_sender()
+        try:
+            msg = EngineRequest.decode(inputs_of(request))
+            board = boards.get(msg.cancel_board) if msg.cancel_board else None
+        except Exception as e:
+            sender.send(error_response(f"{model}: bad request: {e}"), flags=FINAL)
+            continue
+        yield EngineCall(sender, msg, board, msg.cancel_ticket if board else 0)
 
 
 def error_response(message: str, code: Any = None) -> Any:

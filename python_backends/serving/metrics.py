@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, Any
 
 import triton_python_backend_utils as pb_utils
 
-from python_backends.scheduler.admission import DEFAULT_TENANT
-from python_backends.scheduler.stream import RequestStream
+from python_backends.front.stream import RequestStream
+from python_backends.wire import DEFAULT_TENANT
 
-if TYPE_CHECKING:  # the scheduler's stub loads this module and needs no torch
+if TYPE_CHECKING:  # the front's stub loads this module and needs no torch
     from python_backends.engine.llm_engine import EngineStats, LLMEngine, TokenEvent
 
 FINISH_REASONS = ("stop", "length")
@@ -45,7 +45,7 @@ class EngineMetrics:
             "llm_num_requests_running", "Sequences in the running batch", g, labels
         )
         self.waiting = _metric(
-            "llm_num_requests_waiting", "Sequences waiting for admission", g, labels
+            "llm_num_requests_waiting", "Sequences waiting to join the running batch", g, labels
         )
         self.prompt_tokens_computed = _metric(
             "llm_prompt_tokens_computed_total",
@@ -69,6 +69,14 @@ class EngineMetrics:
             pb_utils.MetricFamily.COUNTER, labels,
         )
         self._preemptions_published = 0
+        self._declare_latencies(labels)
+        self._labels = labels
+        self._placement: dict[str, Metric] = {}  # by device
+        self._publish_lock = threading.Lock()
+        self._last_publish = 0.0
+        self._priorities_seen: dict[str, set[int]] = {"running": set(), "waiting": set()}
+
+    def _declare_latencies(self, labels: dict[str, str]) -> None:
         self.queue_time = _metric(
             "llm_request_queue_time_seconds", "Time a sequence waited before its first step",
             pb_utils.MetricFamily.HISTOGRAM, labels, LATENCY_BUCKETS,
@@ -90,11 +98,6 @@ class EngineMetrics:
                           ("llm_prefix_cache_hits_total", "Prompt tokens found in the prefix "
                            "cache")):
             _metric(name, doc, pb_utils.MetricFamily.COUNTER, labels)
-        self._labels = labels
-        self._placement: dict[str, Metric] = {}  # by device
-        self._publish_lock = threading.Lock()
-        self._last_publish = 0.0
-        self._priorities_seen: dict[str, set[int]] = {"running": set(), "waiting": set()}
 
     def observe(self, ev: TokenEvent) -> None:
         """A token event's latencies (loop thread)."""
@@ -224,7 +227,7 @@ class KVTransferMetrics:
 
 
 class RequestMetrics:
-    """Client-visible latencies, observed in the scheduler."""
+    """Client-visible latencies, observed in the front."""
 
     def __init__(self, model: str) -> None:
         labels = {"model": model}
@@ -239,7 +242,7 @@ class RequestMetrics:
             LATENCY_BUCKETS,
         )
         self.e2e = _metric(
-            "llm_e2e_request_latency_seconds", "Arrival at the scheduler to the last token", h,
+            "llm_e2e_request_latency_seconds", "Arrival at the front to the last token", h,
             labels, LATENCY_BUCKETS,
         )
         c = pb_utils.MetricFamily.COUNTER

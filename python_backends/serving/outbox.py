@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from python_backends.cancel_board import CancelBoard
+from python_backends.flag_board import FlagBoard
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class _Lane:
 
 
 class Outbox:
-    """Lanes are named by the caller: a scheduler instance's cancel board name, "" for direct
+    """Lanes are named by the caller: a front instance's cancel board name, "" for direct
     callers. `retire` drops a dead caller's lane and everything later put on it."""
 
     def __init__(self, owner: str = "") -> None:
@@ -90,14 +90,14 @@ class Outbox:
             q.close(max(0.0, deadline - time.monotonic()))
 
 
-def caller_lane(board: CancelBoard | None) -> str:
-    """The lane of a request's caller: its scheduler instance (named by its cancel board), or
+def caller_lane(board: FlagBoard | None) -> str:
+    """The lane of a request's caller: its front instance (named by its cancel board), or
     "" for direct callers."""
     return board.name if board is not None else ""
 
 
-def caller_gone(outbox: Outbox, board: CancelBoard | None) -> bool:
-    """Whether the scheduler instance behind `board` died. The first time, its lane is retired
+def caller_gone(outbox: Outbox, board: FlagBoard | None) -> bool:
+    """Whether the front instance behind `board` died. The first time, its lane is retired
     and its board's file removed, which the owner would have done (the mapping stays valid)."""
     if board is None or board.owner_alive():
         return False

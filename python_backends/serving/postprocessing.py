@@ -1,34 +1,18 @@
-"""`postprocessing`: token-id windows to text (stateless; see python_backends.detokenizer)."""
+"""`postprocessing`: a ClientChunk's token window to text (stateless; see
+python_backends.detokenizer), answered as the ensemble's outputs."""
 
 from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import triton_python_backend_utils as pb_utils
 from transformers import AutoTokenizer
 
-from python_backends.cancel_board import BoardCache
 from python_backends.detokenizer import incremental_text
 from python_backends.diagnostics import enable_stack_dumps
-from python_backends.serving.common import (
-    ModelArgs,
-    bytes_tensor,
-    cancel_target,
-    error_response,
-    first,
-    first_bytes,
-    inputs_of,
-    tensor,
-)
-
-PASS_THROUGH = {
-    "OUTPUT_IDS": "output_ids",
-    "NUM_INPUT_TOKENS": "num_input_tokens",
-    "NUM_OUTPUT_TOKENS": "num_output_tokens",
-    "CUM_LOG_PROBS": "cum_log_probs",
-    "OUTPUT_LOG_PROBS": "output_log_probs",
-}
+from python_backends.flag_board import BoardCache
+from python_backends.serving.common import ModelArgs, error_response, inputs_of, response
+from python_backends.wire import ClientChunk, ClientOutput
 
 
 class PostprocessingModel:
@@ -43,22 +27,20 @@ class PostprocessingModel:
     def execute(self, requests: list[Any]) -> list[Any]:
         responses = []
         for request in requests:
-            inputs = inputs_of(request)
+            chunk = ClientChunk.decode(inputs_of(request))
             if request.is_cancelled():
                 # The ensemble marks this step's request when the client went away; tell the
-                # scheduler and the engine through the cancel board (see cancel_board).
-                board, ticket = cancel_target(inputs, self.boards)
-                board.cancel(ticket)
+                # front and the engine through the cancel board (see flag_board).
+                self.boards.get(chunk.cancel_board).cancel(chunk.cancel_ticket)
                 responses.append(error_response("cancelled", pb_utils.TritonError.CANCELLED))
                 continue
-            tokens = inputs["TOKENS"].reshape(-1).tolist()
-            prefix_len = int(first(inputs, "PREFIX_LEN"))
-            text = incremental_text(self.tokenizer, tokens, prefix_len)
-            outputs = [
-                bytes_tensor("text_output", [text]),
-                bytes_tensor("finish_reason", [first_bytes(inputs, "FINISH_REASON")]),
-            ]
-            outputs += [tensor(out, np.ascontiguousarray(inputs[name]))
-                        for name, out in PASS_THROUGH.items()]
-            responses.append(pb_utils.InferenceResponse(outputs))
+            responses.append(response(ClientOutput(
+                text_output=incremental_text(self.tokenizer, chunk.tokens, chunk.prefix_len),
+                finish_reason=chunk.finish_reason,
+                num_input_tokens=chunk.num_input_tokens,
+                num_output_tokens=chunk.num_output_tokens,
+                cum_log_probs=chunk.cum_log_prob,
+                output_log_probs=chunk.output_log_probs,
+                output_ids=chunk.output_ids,
+            ), batched=True))
         return responses

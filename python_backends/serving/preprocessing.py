@@ -1,24 +1,17 @@
-"""`preprocessing`: validate ensemble inputs, tokenize; hands one JSON request to the scheduler."""
+"""`preprocessing`: validate ensemble inputs, tokenize; hands a TokenizedRequest to the front."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
-import numpy as np
-import triton_python_backend_utils as pb_utils
 from transformers import AutoTokenizer
 
 from python_backends.config import EngineConfig
 from python_backends.diagnostics import enable_stack_dumps
-from python_backends.protocol import InvalidRequest, parse_request
-from python_backends.serving.common import (
-    ModelArgs,
-    bytes_tensor,
-    error_response,
-    inputs_of,
-    tensor,
-)
+from python_backends.front.validation import InvalidRequest, parse_request
+from python_backends.serving.common import ModelArgs, error_response, inputs_of, response
+from python_backends.wire import TokenizedRequest
 
 
 class PreprocessingModel:
@@ -43,13 +36,5 @@ class PreprocessingModel:
             except InvalidRequest as e:
                 responses.append(error_response(str(e)))
                 continue
-            responses.append(
-                _response(np.array([req.prompt_ids], dtype=np.int32), req.to_json())
-            )
+            responses.append(response(TokenizedRequest(req), batched=True))
         return responses
-
-
-def _response(input_ids: np.ndarray, request_json: str) -> Any:
-    return pb_utils.InferenceResponse(
-        [tensor("INPUT_IDS", input_ids), bytes_tensor("REQUEST", [request_json])]
-    )

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from python_backends.autoscaler import Autoscaler, Controller, Policy, TritonRepository
+from python_backends.autoscaler import Autoscaler, Controller, Policy
 from tests.e2e.conftest import MAX_TOKENS, PROMPTS, Reference, Server
 
 pytestmark = pytest.mark.e2e
@@ -65,7 +65,7 @@ def _tick_until(controller: Controller, want: str, timeout_s: float) -> list[Any
 def test_autoscaler_resizes_prefill_with_requests_in_flight(
     server: Server, reference: Reference
 ) -> None:
-    repo = TritonRepository.for_server(server.options)
+    repo = server.options.repository()
     assert repo.instance_count("prefill") == 1
     policy = Policy(ttft_p95_s=0.05, window_s=6, scale_up_cooldown_s=3,
                     scale_down_cooldown_s=8, idle_fraction=0.3,
@@ -111,11 +111,11 @@ def test_autoscaler_resizes_prefill_with_requests_in_flight(
 def test_reload_keeps_http_streams_whole(server: Server) -> None:
     """Server-sent-event streams in flight while the repository API reloads a model get every
     token. (Through Triton 2.51's HTTP load API they lost the tokens produced during the load
-    and still ended cleanly; TritonRepository loads over gRPC, see its docstring.)"""
+    and still ended cleanly; the repository client loads over gRPC, see its docstring.)"""
     from concurrent.futures import ThreadPoolExecutor
 
     n_tokens = 160
-    repo = TritonRepository.for_server(server.options)
+    repo = server.options.repository()
     with ThreadPoolExecutor(6) as pool:
         futures = [pool.submit(server.client.stream_collect, PROMPTS[i % len(PROMPTS)],
                                max_tokens=n_tokens, end_id=-1, route="aggregated")

@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 
-from python_backends.autoscaler import TritonRepository
 from python_backends.client import as_list, metric_sum
 from tests.e2e.conftest import MAX_TOKENS, PROMPTS, Reference, Server
 
@@ -28,7 +27,7 @@ def on_gpu0(config: dict[str, Any]) -> None:
 @contextmanager
 def on_gpu(server: Server, *models: str) -> Iterator[None]:
     """`models` reloaded as one KIND_GPU instance each on GPU 0; their configs restored after."""
-    repo = TritonRepository.for_server(server.options)
+    repo = server.options.repository()
     with ExitStack() as stack:
         for model in models:
             stack.enter_context(repo.variant(model, on_gpu0, "on GPU 0"))

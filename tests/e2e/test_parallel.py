@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from python_backends import procfs
-from python_backends.autoscaler import TritonRepository
 from python_backends.client import as_list
 from python_backends.config import EngineConfig, ParallelLayout
 from python_backends.engine.builder import reshard_engine, write_engine
@@ -22,7 +21,7 @@ from tests.e2e.conftest import ENGINE_DIR, MAX_TOKENS, PROMPTS, Reference, Serve
 
 pytestmark = pytest.mark.e2e
 GREEDY = {"max_tokens": MAX_TOKENS, "exclude_input_in_output": True, "route": "aggregated"}
-RANK_MODULE = "python_backends.parallel.group"
+RANK_MODULE = "python_backends.engine.ranks"
 
 
 def rank_pids() -> set[int]:
@@ -32,7 +31,7 @@ def rank_pids() -> set[int]:
 @contextmanager
 def serving(server: Server, engines: dict[str, Path]) -> Iterator[None]:
     """Models (worker, prefill, decode) reloaded onto engine directories, restored after."""
-    repo = TritonRepository.for_server(server.options)
+    repo = server.options.repository()
     with ExitStack() as stack:
         for model, engine_dir in engines.items():
             stack.enter_context(repo.reloaded(model, engine_dir=str(engine_dir)))

@@ -7,9 +7,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from python_backends.autoscaler import TritonRepository
+import pytest
+
 from python_backends.engine.builder import engine_variant
 from tests.e2e.conftest import ENGINE_DIR, Server
+
+pytestmark = pytest.mark.e2e
 
 
 def test_tenants_take_turns_behind_a_long_queue(server: Server, tmp_path: Path) -> None:
@@ -20,7 +23,7 @@ def test_tenants_take_turns_behind_a_long_queue(server: Server, tmp_path: Path) 
     in front of the worker, in arrival order, and B's came after them (40 of A's started
     between B's arrival and start)."""
     one_at_a_time = engine_variant(ENGINE_DIR, tmp_path / "batch1", max_num_seqs=1)
-    repo = TritonRepository.for_server(server.options)
+    repo = server.options.repository()
     started: dict[str, float] = {}
 
     def run(name: str, tenant: str) -> None:
@@ -38,7 +41,7 @@ def test_tenants_take_turns_behind_a_long_queue(server: Server, tmp_path: Path) 
     b_started = max(started["B0"], started["B1"])
     a_before_b = [n for n, t in started.items() if n[0] == "A" and b_sent < t < b_started]
     a_after_b = [n for n, t in started.items() if n[0] == "A" and t > b_started]
-    # The transit to the worker (HTTP, preprocessing, scheduler on a busy 2-core machine) and a
+    # The transit to the worker (HTTP, preprocessing, front on a busy 2-core machine) and a
     # round of A's credit let a few of A's start first; arrival order would let all of them.
     assert len(a_before_b) < 16, f"{len(a_before_b)} of A's started between B's arrival and start"
     assert len(a_after_b) >= 16, f"only {len(a_after_b)} of A's were still waiting"

@@ -12,44 +12,46 @@ from typing import Any
 
 import pytest
 
-from python_backends.cancel_board import NAME_PREFIX, SHM_DIR
 from python_backends.client import GenerateError, LLMClient, as_list, metric_sum
+from python_backends.flag_board import NAME_PREFIX, SHM_DIR
 from python_backends.watchdog import live_stubs
 from tests.e2e.conftest import KILLED_BY_TESTS, MAX_TOKENS, PROMPTS, Reference, Server
 
+pytestmark = pytest.mark.e2e
 
-def test_killed_scheduler_stub_is_restarted(server: Server, reference: Reference) -> None:
+
+def test_killed_front_stub_is_restarted(server: Server, reference: Reference) -> None:
     assert server.triton.process is not None and server.triton.watchdog is not None
     server_pid = server.triton.process.pid
-    (stub,) = [s for s in live_stubs(server_pid) if s.model == "scheduler"]
+    (stub,) = [s for s in live_stubs(server_pid) if s.model == "front"]
     KILLED_BY_TESTS.add(stub.instance)
     os.kill(stub.pid, signal.SIGKILL)
     with pytest.raises(GenerateError, match="not healthy"):
         server.client.generate(PROMPTS[0], max_tokens=4)
     deadline = time.monotonic() + 90
-    while True:  # the watchdog reloads the scheduler within seconds
+    while True:  # the watchdog reloads the front within seconds
         try:
             out = server.client.generate(PROMPTS[0], max_tokens=MAX_TOKENS,
                                          exclude_input_in_output=True)
             break
         except GenerateError:
-            assert time.monotonic() < deadline, "the scheduler was not restarted"
+            assert time.monotonic() < deadline, "the front was not restarted"
             time.sleep(1.0)
     assert out["text_output"] == reference.text(PROMPTS[0])
-    assert server.triton.watchdog.restarts[-1] == (stub.instance, "scheduler")
-    (new,) = [s for s in live_stubs(server_pid) if s.model == "scheduler"]
+    assert server.triton.watchdog.restarts[-1] == (stub.instance, "front")
+    (new,) = [s for s in live_stubs(server_pid) if s.model == "front"]
     assert new.pid != stub.pid
     log = server.log_file.read_text()
-    assert f"[watchdog] {stub.instance}: stub process gone; reloading scheduler" in log
+    assert f"[watchdog] {stub.instance}: stub process gone; reloading front" in log
     assert server.wait_idle() == 0
 
 
-def test_engines_keep_serving_after_the_scheduler_dies_mid_stream(
+def test_engines_keep_serving_after_the_front_dies_mid_stream(
     server: Server, reference: Reference
 ) -> None:
-    """The scheduler's stub dies with sequences running on the worker, prefill and decode
+    """The front's stub dies with sequences running on the worker, prefill and decode
     groups. Their responses can never be delivered (Triton 2.51 waits forever for the dead stub
-    to take one), so each engine must drop that scheduler's sequences and stall only its lane:
+    to take one), so each engine must drop that front's sequences and stall only its lane:
     after the watchdog's restart every path answers correctly and every KV block comes back."""
     assert server.triton.process is not None and server.triton.watchdog is not None
     server_pid = server.triton.process.pid
@@ -69,18 +71,18 @@ def test_engines_keep_serving_after_the_scheduler_dies_mid_stream(
                   for m in ("worker", "decode")):
         assert time.monotonic() < deadline, "the streams never reached the engines"
         time.sleep(0.2)
-    (stub,) = [s for s in live_stubs(server_pid) if s.model == "scheduler"]
+    (stub,) = [s for s in live_stubs(server_pid) if s.model == "front"]
     KILLED_BY_TESTS.add(stub.instance)
     os.kill(stub.pid, signal.SIGKILL)
     deadline = time.monotonic() + 90
-    while not any(s.model == "scheduler" and s.pid != stub.pid for s in live_stubs(server_pid)):
-        assert time.monotonic() < deadline, "the scheduler was not restarted"
+    while not any(s.model == "front" and s.pid != stub.pid for s in live_stubs(server_pid)):
+        assert time.monotonic() < deadline, "the front was not restarted"
         time.sleep(0.5)
     for route in ("aggregated", "disaggregated"):
         out = _generate_when_ready(server, route, deadline)
         assert as_list(out["output_ids"]) == reference.outputs[PROMPTS[0]], route
     # Orphans are aborted and their leases given up at once, except a lease whose answer was
-    # already on its way to the dead scheduler: that one expires (kv_lease_seconds, 30).
+    # already on its way to the dead front: that one expires (kv_lease_seconds, 30).
     assert server.wait_idle(timeout=45) == 0
     log = server.log_file.read_text()
     for instance in ("worker_0_0", "decode_0_0"):  # both had its sequences
@@ -91,11 +93,11 @@ def test_engines_keep_serving_after_the_scheduler_dies_mid_stream(
 
 
 def _generate_when_ready(server: Server, route: str, deadline: float) -> dict[str, Any]:
-    """A greedy generate on `route`, retried while the restarted scheduler is still loading."""
+    """A greedy generate on `route`, retried while the restarted front is still loading."""
     while True:
         try:
             return server.client.generate(PROMPTS[0], max_tokens=MAX_TOKENS, route=route,
                                           exclude_input_in_output=True)
         except GenerateError:
-            assert time.monotonic() < deadline, "the restarted scheduler does not answer"
+            assert time.monotonic() < deadline, "the restarted front does not answer"
             time.sleep(1.0)

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from python_backends.config import EngineLimits, ParallelLayout
-from python_backends.engine.params import SamplingParams
-from python_backends.engine.placement import Placement
+from python_backends.parallel.placement import Placement
+from python_backends.params import SamplingParams
 from tests.conftest import TinyModel, make_tiny_llama, prompts
 from tests.engine.test_llm_engine import run_all
 from tests.parallel.test_heterogeneous_handoff import N, hand_over
@@ -34,7 +34,7 @@ def gpus(n: int) -> pytest.MarkDecorator:
 
 def test_one_gpu_matches_hf(tiny_llama: TinyModel) -> None:
     engine = tiny_llama.engine(placement=GPU)
-    assert engine.runner.kv_pool.is_cuda and engine.kv_pool.is_cuda
+    assert engine.runner.kv_pool.is_cuda and engine.handoff.pool.is_cuda
     assert all(p.is_cuda for p in engine.runner.model.parameters() if p.numel())
     batch = prompts(8, seed=2)
     assert run_all(engine, batch, 16) == [tiny_llama.greedy(p, 16) for p in batch]
@@ -97,7 +97,7 @@ def test_gpu_handoff_matches_hf(tmp_path: Path, prefill_layout: ParallelLayout,
     batch = [[t % 250 for t in p] for p in prompts(4, seed=52, lo=5, hi=40)]
     prefill, decode = a.engine(placement=GPU), b.engine(placement=GPU)
     try:
-        assert prefill.kv_pool.is_cuda and decode.kv_pool.is_cuda
+        assert prefill.handoff.pool.is_cuda and decode.handoff.pool.is_cuda
         assert hand_over(prefill, decode, batch) == [a.greedy(p, N) for p in batch]
         assert prefill.blocks.num_used == 0 and decode.blocks.num_used == 0
     finally:

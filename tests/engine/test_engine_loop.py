@@ -5,14 +5,16 @@ from __future__ import annotations
 import threading
 import time
 
-from python_backends.engine.engine_loop import EngineLoop
+from python_backends.engine.engine_loop import EngineListener, EngineLoop
 from python_backends.engine.llm_engine import TokenEvent
-from python_backends.engine.params import SamplingParams
+from python_backends.engine.sequence import Sequence
+from python_backends.params import SamplingParams
 from tests.conftest import TinyModel, prompts
 
 
-class Collector:
-    def __init__(self) -> None:
+class Collector(EngineListener):
+    def __init__(self, cancelled: set[str] | None = None) -> None:
+        self.cancelled = cancelled if cancelled is not None else set()
         self.tokens: dict[str, list[int]] = {}
         self.finished: dict[str, str | None] = {}
         self.done = threading.Condition()
@@ -30,6 +32,9 @@ class Collector:
             self.finished[seq_id] = str(error) if error else "cancelled"
             self.done.notify_all()
 
+    def is_cancelled(self, seq_id: str) -> bool:
+        return seq_id in self.cancelled
+
     def wait(self, n: int, timeout: float = 30.0) -> None:
         with self.done:
             assert self.done.wait_for(lambda: len(self.finished) >= n, timeout)
@@ -38,14 +43,14 @@ class Collector:
 def test_requests_join_a_running_batch_and_match_hf(tiny_llama: TinyModel) -> None:
     engine = tiny_llama.engine()
     c = Collector()
-    loop = EngineLoop(engine, c.on_tokens, c.on_finished_early)
+    loop = EngineLoop(engine, c)
     loop.start()
     try:
         batch = prompts(4, seed=20)
-        loop.submit("0", batch[0], SamplingParams(max_tokens=30))
+        loop.submit(Sequence("0", batch[0], SamplingParams(max_tokens=30)))
         time.sleep(0.05)  # the first is decoding when the others arrive
         for i, p in enumerate(batch[1:], start=1):
-            loop.submit(str(i), p, SamplingParams(max_tokens=10))
+            loop.submit(Sequence(str(i), p, SamplingParams(max_tokens=10)))
         c.wait(4)
     finally:
         loop.stop()
@@ -57,15 +62,15 @@ def test_requests_join_a_running_batch_and_match_hf(tiny_llama: TinyModel) -> No
 
 def test_cancellation_and_refusal(tiny_llama: TinyModel) -> None:
     engine = tiny_llama.engine(num_kv_blocks=16)
-    c = Collector()
     cancelled: set[str] = set()
-    loop = EngineLoop(engine, c.on_tokens, c.on_finished_early,
-                      is_cancelled=lambda seq_id: seq_id in cancelled)
+    c = Collector(cancelled)
+    loop = EngineLoop(engine, c)
     loop.start()
     try:
-        loop.submit("big", list(range(1, 40)), SamplingParams(max_tokens=200))  # > 16 blocks
-        loop.submit("a", [1, 2, 3], SamplingParams(max_tokens=40))
-        loop.submit("b", [4, 5, 6], SamplingParams(max_tokens=40))
+        big = Sequence("big", list(range(1, 40)), SamplingParams(max_tokens=200))
+        loop.submit(big)  # > 16 blocks
+        loop.submit(Sequence("a", [1, 2, 3], SamplingParams(max_tokens=40)))
+        loop.submit(Sequence("b", [4, 5, 6], SamplingParams(max_tokens=40)))
         time.sleep(0.05)
         cancelled.add("a")
         loop.abort("b")

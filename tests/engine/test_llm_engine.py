@@ -8,7 +8,7 @@ import pytest
 
 from python_backends.config import EngineLimits
 from python_backends.engine.llm_engine import LLMEngine
-from python_backends.engine.params import FinishReason, SamplingParams
+from python_backends.params import FinishReason, SamplingParams
 from tests.conftest import TinyModel, make_tiny_llama, prompts
 
 

@@ -2,9 +2,9 @@ import math
 
 import torch
 
-from python_backends.engine.params import SamplingParams
 from python_backends.engine.sampler import process_logits, sample
 from python_backends.engine.sequence import Sequence
+from python_backends.params import SamplingParams
 
 
 def seq(params: SamplingParams, prompt: list[int] | None = None,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections import Counter
 
-from python_backends.engine.params import SamplingParams
 from python_backends.engine.sequence import Sequence
 from python_backends.engine.waiting_queue import FcfsQueue, PriorityFairQueue
+from python_backends.params import SamplingParams
 
 
 def seq(i: int, tenant: str = "default", priority: int = 0, tokens: int = 16) -> Sequence:

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from python_backends.cancel_board import BoardCache, CancelBoard
+from python_backends.flag_board import BoardCache, FlagBoard
 from python_backends.kv_transfer.base import KVHandle
 from python_backends.kv_transfer.layout import KVLayout
 
@@ -23,7 +23,7 @@ def _owner(conn: Any) -> None:
 
     torch.manual_seed(0)
     pool = torch.randn(LAYOUT.shape, device="cuda")
-    board = CancelBoard.create(size=4)
+    board = FlagBoard.create(size=4)
     ticket = board.acquire()
     source = CudaIpcSource(pool)
     handle = KVHandle("cuda_ipc", "owner", LAYOUT, (3, 4, 17), 10, time.time() + 30,

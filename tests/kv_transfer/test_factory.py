@@ -1,6 +1,6 @@
 import pytest
 
-from python_backends.cancel_board import BoardCache
+from python_backends.flag_board import BoardCache
 from python_backends.kv_transfer.factory import TransportUnavailable, make_sinks, make_sources
 from python_backends.kv_transfer.host_shm import HostShmSink
 from python_backends.kv_transfer.layout import KVLayout, allocate_pool

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from python_backends.cancel_board import BoardCache, CancelBoard
+from python_backends.flag_board import BoardCache, FlagBoard
 from python_backends.kv_transfer import nixl
 from python_backends.kv_transfer.base import Failure, KVHandle, KVSink, TransferError
 from python_backends.kv_transfer.host_shm import HostShmSink, HostShmSource, SharedPool
@@ -25,7 +25,7 @@ BLOCKS = (5, 6, 7, 20)
 def _owner(kind: str, conn: Any) -> None:
     """Child: fill a pool, lease BLOCKS, serve until the lease is released or expires."""
     torch.manual_seed(0)
-    board = CancelBoard.create(size=4)
+    board = FlagBoard.create(size=4)
     if kind == "host_shm":
         shared = SharedPool.create(LAYOUT)
         pool = shared.tensor

@@ -12,7 +12,8 @@ import torch
 
 from python_backends.config import ParallelLayout
 from python_backends.engine.llm_engine import LLMEngine
-from python_backends.engine.params import SamplingParams
+from python_backends.engine.sequence import Sequence
+from python_backends.params import SamplingParams
 from tests.conftest import make_tiny_llama, prompts
 from tests.parallel.test_parallel_engine import SHAPE
 
@@ -31,20 +32,21 @@ def hand_over(prefill: LLMEngine, decode: LLMEngine, batch: list[list[int]]) -> 
         for ev in prefill.step():
             firsts[ev.seq_id] = ev
     bs = prefill.config.limits.block_size
-    assert prefill.kv_layout == decode.kv_layout  # the whole-model layout on both sides
+    assert prefill.handoff.layout == decode.handoff.layout  # the whole-model layout on both sides
     outputs = {}
     for i, p in enumerate(batch):
         ev = firsts[f"s{i}"]
         assert ev.kv_blocks
 
         def fetch(blocks: list[int], src: tuple[int, ...] = ev.kv_blocks) -> bool:
-            src_kv = prefill.kv_pool.index_select(2, slots(src, bs).to(prefill.device))
-            decode.kv_pool.index_copy_(2, slots(blocks, bs).to(decode.device),
-                                       src_kv.to(decode.device))
+            src_kv = prefill.handoff.pool.index_select(2, slots(src, bs).to(prefill.device))
+            decode.handoff.pool.index_copy_(2, slots(blocks, bs).to(decode.device),
+                                            src_kv.to(decode.device))
             return True
 
-        decode.add_handoff(f"s{i}", p, ev.token_id, 0.0, SamplingParams(max_tokens=N),
-                           ev.kv_tokens, fetch)
+        seq = Sequence(f"s{i}", p, SamplingParams(max_tokens=N))
+        seq.continue_from(ev.token_id, 0.0)
+        decode.handoff.add(seq, ev.kv_tokens, fetch)
         outputs[f"s{i}"] = [ev.token_id]
     computed = decode.stats().num_prompt_tokens_computed
     while decode.has_unfinished:

@@ -11,8 +11,8 @@ import torch
 
 from python_backends.config import EngineConfigError, EngineLimits, ParallelLayout
 from python_backends.engine.builder import write_engine
-from python_backends.engine.params import SamplingParams
 from python_backends.parallel.context import COMM
+from python_backends.params import SamplingParams
 from tests.conftest import TinyModel
 from tests.parallel.test_parallel_engine import check_layout
 

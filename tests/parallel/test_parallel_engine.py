@@ -14,8 +14,8 @@ from safetensors.torch import load_file
 from python_backends import procfs
 from python_backends.config import EngineConfig, EngineConfigError, EngineLimits, ParallelLayout
 from python_backends.engine.builder import write_engine
-from python_backends.engine.params import SamplingParams
-from python_backends.engine.placement import Placement
+from python_backends.parallel.placement import Placement
+from python_backends.params import SamplingParams
 from tests.conftest import TinyModel, make_tiny_llama, prompts
 from tests.engine.test_llm_engine import run_all
 
@@ -96,7 +96,7 @@ def make_limits() -> EngineLimits:
 
 
 def test_dead_rank_fails_the_step_clearly(tmp_path: Path) -> None:
-    from python_backends.parallel.group import RankFailure
+    from python_backends.engine.ranks import RankFailure
 
     model = make_tiny_llama(tmp_path / "e", seed=24, parallel=ParallelLayout(tp=2), **SHAPE)
     engine = model.engine()

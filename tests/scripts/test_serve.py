@@ -1,5 +1,5 @@
 """README's serve command: scripts/serve.sh comes up (here with --api-key and a repository whose
-scheduler has tight admission limits), answers, enforces the key on HTTP and gRPC while health
+front has tight admission limits), answers, enforces the key on HTTP and gRPC while health
 stays open, refuses overload and rate-limited tenants with clear errors while serving others, and
 stops cleanly on SIGTERM."""
 
@@ -24,7 +24,9 @@ from tritonclient.utils import InferenceServerException
 
 from python_backends import procfs
 from python_backends.client import scrape
-from python_backends.launcher import API_KEY_HEADER, GRPC_API_KEY_HEADER, SHM_DIR, free_port
+from python_backends.launcher import SHM_DIR
+from python_backends.net import free_port
+from python_backends.repository import API_KEY_HEADER, GRPC_API_KEY_HEADER
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,7 +66,7 @@ def _grpc_generate(port: int, headers: dict[str, str]) -> str:
 def _tight_repository(tmp_path: Path) -> Path:
     repo = tmp_path / "model_repository"
     shutil.copytree(ROOT / "model_repository", repo)
-    config = repo / "scheduler" / "config.pbtxt"
+    config = repo / "front" / "config.pbtxt"
     text = config.read_text()
     for key, value in {
         "max_waiting_requests": "2",
@@ -101,9 +103,9 @@ def _check_admission(url: str, grpc_port: int, metrics_url: str) -> None:
     assert _post(url, short)[0] == 200  # still serving
     metrics = scrape(metrics_url)
     rejected = metrics["llm_requests_rejected_total"]
-    assert rejected[frozenset({("model", "scheduler"), ("reason", "rate_limited"),
+    assert rejected[frozenset({("model", "front"), ("reason", "rate_limited"),
                                ("tenant", "limited")})] == 2
-    assert rejected[frozenset({("model", "scheduler"), ("reason", "overloaded"),
+    assert rejected[frozenset({("model", "front"), ("reason", "overloaded"),
                                ("tenant", "default")})] == len(refused)
 
 

@@ -1,4 +1,4 @@
-"""The scheduler's stub loads no torch (about 2 s and 200 MB a stub): it only validates, admits
+"""The front's stub loads no torch (about 2 s and 200 MB a stub): it only validates, admits
 and relays. Checked in a fresh interpreter where importing torch fails."""
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ import MODULE
 """
 
 
-def test_scheduler_model_imports_without_torch() -> None:
-    for module in ("python_backends.serving.scheduler", "python_backends.protocol"):
+def test_front_model_imports_without_torch() -> None:
+    for module in ("python_backends.serving.front", "python_backends.front.validation",
+                   "python_backends.wire"):
         run = subprocess.run([sys.executable, "-c", PROBE.replace("MODULE", module)], cwd=ROOT,
                              capture_output=True, text=True, timeout=60)
         assert run.returncode == 0, run.stderr[-2000:]

@@ -1,3 +1,3 @@
-from python_backends.serving.worker import WorkerModel as TritonPythonModel
+from python_backends.serving.generator import GeneratorModel as TritonPythonModel
 
 __all__ = ["TritonPythonModel"]

@@ -11,7 +11,7 @@ import enum
 import threading
 from dataclasses import dataclass
 
-from python_backends.protocol import InvalidRequest
+from python_backends.front.validation import InvalidRequest
 
 
 class Route(enum.Enum):

@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from python_backends import cancel_board, procfs
-from python_backends.cancel_board import BoardCache, BoardFull, CancelBoard
+from python_backends import flag_board, procfs
+from python_backends.flag_board import BoardCache, BoardFull, FlagBoard
 
 
 def test_flags_cross_mappings_and_slots_recycle() -> None:
-    owner = CancelBoard.create(size=4)
+    owner = FlagBoard.create(size=4)
     cache = BoardCache()
     try:
         reader = cache.get(owner.name)
@@ -33,17 +33,17 @@ def test_flags_cross_mappings_and_slots_recycle() -> None:
 
 
 def test_owner_liveness_follows_the_creating_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    """An engine attached to a scheduler's board learns when that scheduler's process is gone
-    (exited, or a zombie its parent has not reaped), so it can drop the scheduler's requests."""
-    monkeypatch.setattr(cancel_board, "OWNER_CHECK_S", 0.0)
-    script = ("import sys, time; from python_backends.cancel_board import CancelBoard; "
-              "b = CancelBoard.create(size=4); print(b.name, flush=True); "
+    """An engine attached to a front's board learns when that front's process is gone
+    (exited, or a zombie its parent has not reaped), so it can drop the front's requests."""
+    monkeypatch.setattr(flag_board, "OWNER_CHECK_S", 0.0)
+    script = ("import sys, time; from python_backends.flag_board import FlagBoard; "
+              "b = FlagBoard.create(size=4); print(b.name, flush=True); "
               "sys.stdin.readline()")  # exits without closing: a stub that died
     child = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[1])
     assert child.stdout is not None and child.stdin is not None
     name = child.stdout.readline().strip()
-    board = CancelBoard.attach(name)
+    board = FlagBoard.attach(name)
     try:
         assert board.owner_pid == child.pid and board.owner_alive()
         assert not board.is_cancelled(1 * 256 + 1)
@@ -60,7 +60,7 @@ def test_owner_liveness_follows_the_creating_process(monkeypatch: pytest.MonkeyP
     finally:
         board.close()
         board.path.unlink(missing_ok=True)
-    me = CancelBoard.create(size=4)
+    me = FlagBoard.create(size=4)
     try:
         assert me.owner_pid == os.getpid() and me.owner_alive()
     finally:
@@ -70,4 +70,4 @@ def test_owner_liveness_follows_the_creating_process(monkeypatch: pytest.MonkeyP
 def test_attach_refuses_names_that_are_not_boards() -> None:
     for name in ("x", "triton_llm_cancel_abc_1234", "../triton_llm_cancel_1_2"):
         with pytest.raises(ValueError, match="not a cancel board"):
-            CancelBoard.attach(name)
+            FlagBoard.attach(name)

@@ -7,18 +7,17 @@ TensorRT-LLM one, so existing clients send the shapes they already send).
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 
 from python_backends.config import EngineLimits
-from python_backends.engine.params import SamplingParams
 from python_backends.kv_transfer import TRANSPORTS
-from python_backends.scheduler.admission import DEFAULT_TENANT
+from python_backends.params import SamplingParams
+from python_backends.wire import CLIENT_INPUTS, DEFAULT_TENANT, GenerationRequest, Kind
 
 DEFAULT_MAX_TOKENS = 64
 MAX_CHARS_PER_TOKEN = 64  # generous: real text averages 3-5
@@ -30,64 +29,14 @@ class InvalidRequest(ValueError):
         self.field = field
 
 
-@dataclass(frozen=True)
-class GenerationRequest:
-    prompt_ids: list[int]
-    params: SamplingParams
-    stream: bool = False
-    exclude_input_in_output: bool = False
-    tenant: str = DEFAULT_TENANT
-    priority: int = 0
-    route: str = "auto"  # see ROUTES
-    kv_transport: str = ""  # "" = the prefill instance's default
-    kv_fault: str = ""  # see KV_FAULTS
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> GenerationRequest:
-        d = json.loads(text)
-        p = d["params"]
-        p["end_ids"] = tuple(p["end_ids"])
-        p["stop_sequences"] = tuple(tuple(s) for s in p["stop_sequences"])
-        p["bad_sequences"] = tuple(tuple(s) for s in p["bad_sequences"])
-        return cls(
-            prompt_ids=list(d["prompt_ids"]),
-            params=SamplingParams(**p),
-            stream=d["stream"],
-            exclude_input_in_output=d["exclude_input_in_output"],
-            tenant=d["tenant"],
-            priority=d["priority"],
-            route=d["route"],
-            kv_transport=d["kv_transport"],
-            kv_fault=d["kv_fault"],
-        )
-
-
-# Optional scalar inputs: name -> kind. Kinds decide the accepted numpy dtypes.
+# The optional scalar inputs and how each is read; the kinds decide the accepted numpy dtypes.
 _INT, _FLOAT, _BOOL = "int", "float", "bool"
-SCALAR_INPUTS: dict[str, str] = {
-    "max_tokens": _INT,
-    "stream": _BOOL,
-    "temperature": _FLOAT,
-    "top_k": _INT,
-    "top_p": _FLOAT,
-    "seed": _INT,
-    "end_id": _INT,
-    "pad_id": _INT,
-    "min_tokens": _INT,
-    "min_length": _INT,  # genai-perf's name for min_tokens
-    "repetition_penalty": _FLOAT,
-    "presence_penalty": _FLOAT,
-    "frequency_penalty": _FLOAT,
-    "exclude_input_in_output": _BOOL,
-    "return_log_probs": _BOOL,
-    "priority": _INT,
-}
+_KINDS = {Kind.INT: _INT, Kind.UINT64: _INT, Kind.FLOAT: _FLOAT, Kind.BOOL: _BOOL}
+SCALAR_INPUTS: dict[str, str] = {name: _KINDS[spec.kind] for name, spec in CLIENT_INPUTS.items()
+                                 if spec.kind in _KINDS}
 MAX_PRIORITY = 9  # priorities are 0 (default, lowest) .. 9
 WORD_LIST_INPUTS = ("stop_words", "bad_words")
-KNOWN_INPUTS = frozenset(("text_input", *SCALAR_INPUTS, *WORD_LIST_INPUTS))
+KNOWN_INPUTS = frozenset(CLIENT_INPUTS)
 # Request parameters (HTTP /generate turns unknown top-level JSON keys into parameters): those
 # Triton itself sets pass; any other is a client mistake such as a misspelt input name.
 TRITON_PARAMETERS = frozenset(("sequence_id", "sequence_start", "sequence_end"))
@@ -96,7 +45,7 @@ TRITON_PARAMETER_PREFIX = "triton_"
 # /generate body), or as gRPC metadata x-tenant, which the launcher has Triton forward.
 TENANT_PARAMETERS = ("tenant", "x-tenant")
 MAX_TENANT_LEN = 64
-# Routing parameters for operators, drills and tests. `route`: "auto" lets the scheduler choose
+# Routing parameters for operators, drills and tests. `route`: "auto" lets the front choose
 # (disaggregate long prompts while the prefill group has room), "aggregated" and
 # "disaggregated" force a path. `kv_transport` picks the handoff transport. `kv_fault` injects a
 # handoff failure: "transfer_error" (the pull fails) or "expire_lease" (the lease is already over
@@ -149,6 +98,39 @@ def parse_request(
     eos_ids: tuple[int, ...],
 ) -> GenerationRequest:
     """Validate ensemble inputs and tokenize the prompt and word lists."""
+    _check_names(inputs, parameters)
+    text = _prompt_text(inputs, limits)
+    v = {name: _scalar(name, kind, inputs[name])
+         for name, kind in SCALAR_INPUTS.items() if name in inputs}
+    prompt_ids = tokenize(text, True)
+    if not prompt_ids:
+        raise InvalidRequest("text_input", "tokenizes to no tokens")
+    max_tokens = _max_tokens(v, len(prompt_ids), limits)
+    params = _sampling_params(v, max_tokens, eos_ids)
+    if len(prompt_ids) + max_tokens > limits.max_seq_len or max_tokens <= 0:
+        raise InvalidRequest(
+            "text_input",
+            f"prompt of {len(prompt_ids)} tokens plus max_tokens {max_tokens} exceeds the "
+            f"context length ({limits.max_seq_len} tokens)",
+        )
+    params = dataclasses.replace(
+        params,
+        stop_sequences=_word_list(inputs, "stop_words", tokenize),
+        bad_sequences=_word_list(inputs, "bad_words", tokenize),
+    )
+    return GenerationRequest(
+        prompt_ids=prompt_ids,
+        params=params,
+        stream=v.get("stream", False),
+        exclude_input_in_output=v.get("exclude_input_in_output", False),
+        tenant=_tenant(parameters),
+        priority=_priority(v, parameters),
+        **{name: _choice(name, parameters, choices) for name, choices in
+           ROUTING_PARAMETERS.items() if name in parameters},
+    )
+
+
+def _check_names(inputs: Mapping[str, np.ndarray], parameters: Mapping[str, Any]) -> None:
     unknown = sorted(set(inputs) - KNOWN_INPUTS)
     if unknown:
         raise InvalidRequest(unknown[0], f"unknown input; known inputs: {sorted(KNOWN_INPUTS)}")
@@ -159,6 +141,9 @@ def parse_request(
             raise InvalidRequest(
                 name, f"unknown input or parameter; known inputs: {sorted(KNOWN_INPUTS)}"
             )
+
+
+def _prompt_text(inputs: Mapping[str, np.ndarray], limits: EngineLimits) -> str:
     if "text_input" not in inputs:
         raise InvalidRequest("text_input", "is required")
     text_arr = inputs["text_input"]
@@ -175,21 +160,25 @@ def parse_request(
             "text_input", f"{len(text)} characters cannot fit the context of "
             f"{limits.max_seq_len} tokens"
         )
+    return text
 
-    v = {name: _scalar(name, kind, inputs[name])
-         for name, kind in SCALAR_INPUTS.items() if name in inputs}
 
-    prompt_ids = tokenize(text, True)
-    if not prompt_ids:
-        raise InvalidRequest("text_input", "tokenizes to no tokens")
-    # Unset max_tokens: the default, shortened to the room the prompt leaves.
-    max_tokens = v.get("max_tokens", min(DEFAULT_MAX_TOKENS, limits.max_seq_len - len(prompt_ids)))
+def _max_tokens(v: Mapping[str, Any], prompt_tokens: int, limits: EngineLimits) -> int:
+    """The `max_tokens` input; unset: the default, shortened to the room the prompt leaves."""
+    max_tokens = int(v.get("max_tokens", min(DEFAULT_MAX_TOKENS,
+                                             limits.max_seq_len - prompt_tokens)))
     if "max_tokens" in v and max_tokens <= 0:
         raise InvalidRequest("max_tokens", f"must be at least 1, got {max_tokens}")
     if max_tokens >= limits.max_seq_len:
         raise InvalidRequest(
             "max_tokens", f"{max_tokens} exceeds the engine limit ({limits.max_seq_len - 1})"
         )
+    return max_tokens
+
+
+def _sampling_params(v: Mapping[str, Any], max_tokens: int,
+                     eos_ids: tuple[int, ...]) -> SamplingParams:
+    """The scalar sampling inputs, range-checked (word lists are added by the caller)."""
     temperature = v.get("temperature", 0.0)
     if temperature < 0:
         raise InvalidRequest("temperature", f"must be >= 0, got {temperature}")
@@ -215,14 +204,7 @@ def parse_request(
         raise InvalidRequest("end_id", f"must be a token id, or -1 for none; got {end_id}")
     # end_id -1: never stop on an end token (benchmarks' "ignore eos").
     end_ids = eos_ids if end_id is None else (() if end_id == -1 else (end_id,))
-
-    if len(prompt_ids) + max_tokens > limits.max_seq_len or max_tokens <= 0:
-        raise InvalidRequest(
-            "text_input",
-            f"prompt of {len(prompt_ids)} tokens plus max_tokens {max_tokens} exceeds the "
-            f"context length ({limits.max_seq_len} tokens)",
-        )
-    params = SamplingParams(
+    return SamplingParams(
         max_tokens=max_tokens,
         temperature=temperature,
         top_k=top_k,
@@ -233,19 +215,7 @@ def parse_request(
         frequency_penalty=v.get("frequency_penalty", 0.0),
         min_tokens=min_tokens,
         end_ids=end_ids,
-        stop_sequences=_word_list(inputs, "stop_words", tokenize),
-        bad_sequences=_word_list(inputs, "bad_words", tokenize),
         return_log_probs=v.get("return_log_probs", False),
-    )
-    return GenerationRequest(
-        prompt_ids=prompt_ids,
-        params=params,
-        stream=v.get("stream", False),
-        exclude_input_in_output=v.get("exclude_input_in_output", False),
-        tenant=_tenant(parameters),
-        priority=_priority(v, parameters),
-        **{name: _choice(name, parameters, choices) for name, choices in
-           ROUTING_PARAMETERS.items() if name in parameters},
     )
 
 

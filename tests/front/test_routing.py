@@ -1,7 +1,7 @@
 import pytest
 
-from python_backends.protocol import InvalidRequest
-from python_backends.scheduler.routing import Route, Router, RoutingPolicy
+from python_backends.front.routing import Route, Router, RoutingPolicy
+from python_backends.front.validation import InvalidRequest
 
 
 def test_auto_disaggregates_long_prompts_while_prefill_has_room() -> None:

@@ -1,5 +1,5 @@
-"""What a request asks of the engine (validated by python_backends.protocol) and why a sequence
-ended. Free of torch, so the front-end models (the scheduler) need not load it."""
+"""What a request asks of the engine (validated by python_backends.front.validation) and why a
+sequence ended. Free of torch, so the front model need not load it."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ class FinishReason(enum.Enum):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Validated per-request generation settings (see python_backends.protocol)."""
+    """Validated per-request generation settings (see python_backends.front.validation)."""
 
     max_tokens: int
     temperature: float = 0.0  # 0 means greedy

@@ -1,7 +1,8 @@
-"""Per-request output state in the scheduler: turns engine token events into client chunks.
+"""Per-request output state in the front: turns engine token events into client chunks.
 
-Each chunk carries what stateless postprocessing needs: a window of token ids whose first
-`prefix_len` are context (see python_backends.detokenizer), plus counts and log-probs.
+Each chunk (wire.ClientChunk) carries what stateless postprocessing needs: a window of token
+ids whose first `prefix_len` are context (see python_backends.detokenizer), plus counts,
+log-probs and the cancel flag postprocessing raises when the client goes away.
 """
 
 from __future__ import annotations
@@ -10,18 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from python_backends.detokenizer import STREAM_CONTEXT_TOKENS
-
-
-@dataclass(frozen=True)
-class Chunk:
-    tokens: list[int]  # window to detokenize
-    prefix_len: int  # leading context tokens in the window (already sent)
-    output_ids: list[int]  # generated ids this chunk reports (new ones, or all)
-    finish_reason: str  # "" until the last chunk
-    num_input_tokens: int
-    num_output_tokens: int
-    cum_log_prob: float
-    output_log_probs: list[float]
+from python_backends.wire import ClientChunk
 
 
 @dataclass
@@ -30,6 +20,8 @@ class RequestStream:
     stream: bool
     exclude_input_in_output: bool
     return_log_probs: bool
+    cancel_board: str = ""  # the front's board and this request's ticket on it
+    cancel_ticket: int = 0
     arrival: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -37,7 +29,9 @@ class RequestStream:
     last_token_time: float | None = None
     finish_reason: str = ""
 
-    def add(self, token_ids: list[int], logprobs: list[float], finish_reason: str) -> Chunk | None:
+    def add(
+        self, token_ids: list[int], logprobs: list[float], finish_reason: str
+    ) -> ClientChunk | None:
         """Record one engine response; returns the chunk to send now, if any."""
         now = time.monotonic()
         if token_ids and self.first_token_time is None:
@@ -59,7 +53,7 @@ class RequestStream:
             return None
         return self.final_chunk()
 
-    def final_chunk(self) -> Chunk:
+    def final_chunk(self) -> ClientChunk:
         """The whole answer in one chunk (non-streaming requests)."""
         tokens = self.output_ids if self.exclude_input_in_output else (
             self.prompt_ids + self.output_ids
@@ -68,8 +62,10 @@ class RequestStream:
 
     def _chunk(
         self, tokens: list[int], prefix_len: int, output_ids: list[int], logprobs: list[float]
-    ) -> Chunk:
-        return Chunk(
+    ) -> ClientChunk:
+        return ClientChunk(
+            cancel_board=self.cancel_board,
+            cancel_ticket=self.cancel_ticket,
             tokens=tokens,
             prefix_len=prefix_len,
             output_ids=list(output_ids),

@@ -2,7 +2,7 @@
 
 Rank 0 lives in the serving process (the Triton stub): it schedules, and for every step
 broadcasts the step's micro-batches (token ids and attention metadata: a few KB) to ranks
-1..N-1, which it started as child processes (`python -m python_backends.parallel.group`), then
+1..N-1, which it started as child processes (`python -m python_backends.engine.ranks`), then
 computes its own part. Inside a stage the tensor-parallel ranks meet in the layers' collectives;
 between stages hidden states go point to point, one micro-batch at a time, so stage s works on
 micro-batch i + 1 while stage s + 1 works on micro-batch i. The last stage sends the logits to
@@ -37,12 +37,13 @@ import torch.distributed as dist
 
 from python_backends.config import EngineConfig
 from python_backends.diagnostics import enable_stack_dumps
-from python_backends.engine.attention import AttentionMetadata
-from python_backends.engine.loader import DTYPES
-from python_backends.engine.placement import CPU, dist_backend
-from python_backends.launcher import free_port
+from python_backends.engine.loader import DTYPES, load_model
+from python_backends.engine.model_runner import rank_runner
+from python_backends.models.attention import AttentionMetadata
 from python_backends.models.llama import LlamaForCausalLM
+from python_backends.net import free_port
 from python_backends.parallel.context import ParallelContext, timed
+from python_backends.parallel.placement import CPU, dist_backend
 
 log = logging.getLogger(__name__)
 MicroBatch = tuple[torch.Tensor, AttentionMetadata]  # token ids [T], their metadata
@@ -128,7 +129,7 @@ class RankGroup:
     def __init__(self, engine_dir: str | Path, config: EngineConfig, num_kv_blocks: int,
                  devices: Sequence[torch.device] | None = None,
                  timeout_s: float = STARTUP_TIMEOUT_S) -> None:
-        """`devices`: rank r's device (default: all on the CPU; see engine.placement)."""
+        """`devices`: rank r's device (default: all on the CPU; see parallel.placement)."""
         self.config = config
         self.dtype = DTYPES[config.dtype]
         world = config.parallel.world_size
@@ -139,7 +140,7 @@ class RankGroup:
         self._failure_logged = False
         for rank in range(1, world):
             self.procs[rank] = subprocess.Popen(
-                [_python(), "-m", "python_backends.parallel.group", "--engine-dir",
+                [_python(), "-m", "python_backends.engine.ranks", "--engine-dir",
                  str(engine_dir), "--rank", str(rank), "--port", str(port),
                  "--num-kv-blocks", str(num_kv_blocks), "--device", str(devices[rank])],
                 env={**os.environ, "OMP_NUM_THREADS": str(_threads_per_rank(world))},
@@ -283,7 +284,7 @@ def exchange_kv(ctx: ParallelContext, config: EngineConfig, pool: torch.Tensor,
 
 def _python() -> str:
     """The interpreter for rank processes. Inside a Triton stub sys.executable is not Python;
-    the stub runs the environment of the first python3 on PATH (see PLATFORM.md)."""
+    the stub runs the environment of the first python3 on PATH (see docs/platform.md)."""
     exe = Path(sys.executable)
     if exe.name.startswith("python"):
         return str(exe)
@@ -302,11 +303,6 @@ def _die_with_parent() -> None:
 
 def rank_main(argv: list[str] | None = None) -> int:
     """Ranks 1..N-1: join, load this rank's shards and KV slice, then follow rank 0."""
-    from python_backends.engine.llm_engine import kv_layout
-    from python_backends.engine.loader import load_model
-    from python_backends.engine.model_runner import ModelRunner
-    from python_backends.kv_transfer.layout import allocate_pool
-
     ap = argparse.ArgumentParser()
     ap.add_argument("--engine-dir", required=True)
     ap.add_argument("--rank", type=int, required=True)
@@ -320,9 +316,8 @@ def rank_main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(_threads_per_rank(config.parallel.world_size))
     ctx = join_group(args.rank, config.parallel.world_size, args.port, config, STARTUP_TIMEOUT_S,
                      args.device)
-    model = load_model(args.engine_dir, config, ctx)
-    pool = allocate_pool(kv_layout(config, args.num_kv_blocks, args.rank), device=args.device)
-    ModelRunner(model, pool, config.limits.block_size)  # binds the layers to their KV slice
+    runner = rank_runner(config, load_model(args.engine_dir, config, ctx), args.num_kv_blocks)
+    model, pool = runner.model, runner.kv_pool
     dist.barrier()  # loaded: see RankGroup.wait_ready
     while True:
         msg: list[object] = [None]

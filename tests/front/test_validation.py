@@ -2,7 +2,8 @@ import numpy as np
 import pytest
 
 from python_backends.config import EngineLimits
-from python_backends.protocol import GenerationRequest, InvalidRequest, parse_request
+from python_backends.front.validation import InvalidRequest, parse_request
+from python_backends.wire import GenerationRequest
 
 LIMITS = EngineLimits(max_seq_len=64, max_num_seqs=4, max_num_batched_tokens=64, block_size=4)
 

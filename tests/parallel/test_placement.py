@@ -13,11 +13,11 @@ import torch
 
 from python_backends.config import EngineConfig, EngineLimits
 from python_backends.engine.llm_engine import LLMEngine
-from python_backends.engine.params import SamplingParams
-from python_backends.engine.placement import CPU, Placement, PlacementError, dist_backend
 from python_backends.engine.sampler import SampleResult
 from python_backends.models.llama import LlamaForCausalLM
 from python_backends.parallel.context import ParallelContext
+from python_backends.parallel.placement import CPU, Placement, PlacementError, dist_backend
+from python_backends.params import SamplingParams
 from tests.conftest import TinyModel
 
 META = torch.device("meta")

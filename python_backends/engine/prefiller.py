@@ -17,12 +17,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
-from python_backends.cancel_board import CancelBoard
-from python_backends.engine.engine_loop import EngineLoop
+from python_backends.engine.engine_loop import EngineListener, EngineLoop
 from python_backends.engine.llm_engine import LLMEngine, TokenEvent
-from python_backends.engine.params import FinishReason, SamplingParams
+from python_backends.engine.sequence import Sequence
+from python_backends.flag_board import FlagBoard
 from python_backends.kv_transfer.base import KVHandle, KVSource
 from python_backends.kv_transfer.leases import LeaseTable, Reaped
+from python_backends.params import FinishReason, SamplingParams
 
 log = logging.getLogger(__name__)
 POLL_BUSY_S = 0.001  # reaper period while leases are out
@@ -34,7 +35,7 @@ class PrefillJob:
     prompt_ids: list[int]
     params: SamplingParams
     transport: str = ""  # "" = the server's default transport
-    fault: str = ""  # python_backends.protocol.KV_FAULTS
+    fault: str = ""  # python_backends.front.validation.KV_FAULTS
     priority: int = 0
     tenant: str = "default"
     # Polled between steps: True aborts the prompt (its done gets "prefill cancelled").
@@ -55,13 +56,16 @@ Done = Callable[[PrefillResult | Exception], None]
 
 
 @dataclass(frozen=True)
-class _Pending:
+class _Submitted:
     job: PrefillJob
     done: Done
     start: float
 
 
-class PrefillServer:
+class Prefiller(EngineListener):
+    """Computes prompts in one continuous batch and leases each finished prompt's KV blocks to
+    the decode instance that pulls them."""
+
     def __init__(
         self, engine: LLMEngine, sources: dict[str, KVSource], owner: str,
         lease_s: float = 30.0, on_reaped: Callable[[int], None] = lambda _expired: None,
@@ -70,27 +74,29 @@ class PrefillServer:
         """`on_reaped(num_expired)`: after leases were reaped (reaper thread). `on_step`: after
         every engine step and when idle (loop thread)."""
         if not sources:
-            raise ValueError("a prefill server needs at least one KV transport")
+            raise ValueError("a prefiller needs at least one KV transport")
         self.engine = engine
         self.sources = sources
         self.default_transport = next(iter(sources))
         self.owner = owner
         self.lease_s = lease_s
         self._on_reaped = on_reaped
-        self.board = CancelBoard.create()  # release flags, one ticket per lease
+        self.board = FlagBoard.create()  # release flags, one ticket per lease
         self.leases = LeaseTable(self.board)
         self._leases_lock = threading.Lock()
         self.num_released = 0
         self.num_expired = 0
-        self._pending: dict[str, _Pending] = {}
-        self.loop = EngineLoop(engine, on_tokens=self._on_tokens,
-                               on_finished_early=self._on_finished_early, on_step=on_step,
-                               is_cancelled=self._is_cancelled)
+        self._submitted: dict[str, _Submitted] = {}
+        self._on_step = on_step
+        self.loop = EngineLoop(engine, self)
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, name="kv-reaper", daemon=True)
 
-    def _is_cancelled(self, seq_id: str) -> bool:
-        return self._pending[seq_id].job.is_cancelled()
+    def is_cancelled(self, seq_id: str) -> bool:
+        return self._submitted[seq_id].job.is_cancelled()
+
+    def on_step(self, engine: LLMEngine) -> None:
+        self._on_step(engine)
 
     def start(self) -> None:
         self.loop.start()
@@ -103,9 +109,9 @@ class PrefillServer:
                             f"(enabled: {', '.join(self.sources)})"))
             return
         seq_id = uuid.uuid4().hex
-        self._pending[seq_id] = _Pending(job, done, time.monotonic())
-        self.loop.submit(seq_id, job.prompt_ids, job.params, job.priority, job.tenant,
-                         prefill_only=True)
+        self._submitted[seq_id] = _Submitted(job, done, time.monotonic())
+        self.loop.submit(Sequence(seq_id, list(job.prompt_ids), job.params,
+                                  priority=job.priority, tenant=job.tenant, prefill_only=True))
 
     def prefill(self, jobs: list[PrefillJob], timeout: float = 600.0,
                 ) -> list[PrefillResult | Exception]:
@@ -124,14 +130,14 @@ class PrefillServer:
                 raise TimeoutError("prefill did not finish")
         return [r for r in results if r is not None]
 
-    def _on_tokens(self, events: list[TokenEvent]) -> None:
+    def on_tokens(self, events: list[TokenEvent]) -> None:
         now = time.monotonic()
         for ev in events:
-            pending = self._pending.pop(ev.seq_id)
+            submitted = self._submitted.pop(ev.seq_id)
             logprob = ev.logprob or 0.0
-            handle = self._lease(ev, pending.job) if ev.kv_blocks is not None else None
-            pending.done(PrefillResult(ev.token_id, logprob, ev.finish_reason, handle,
-                                       now - pending.start, ev))
+            handle = self._lease(ev, submitted.job) if ev.kv_blocks is not None else None
+            submitted.done(PrefillResult(ev.token_id, logprob, ev.finish_reason, handle,
+                                         now - submitted.start, ev))
 
     def _lease(self, ev: TokenEvent, job: PrefillJob) -> KVHandle:
         assert ev.kv_blocks is not None
@@ -142,7 +148,7 @@ class PrefillServer:
         return KVHandle(
             transport=transport,
             owner=self.owner,
-            layout=self.engine.kv_layout,
+            layout=self.engine.handoff.layout,
             block_ids=lease.blocks,
             num_tokens=ev.kv_tokens,
             deadline=lease.deadline,
@@ -152,9 +158,9 @@ class PrefillServer:
             fault=job.fault if job.fault == "transfer_error" else "",
         )
 
-    def _on_finished_early(self, seq_id: str, error: Exception | None) -> None:
-        pending = self._pending.pop(seq_id)
-        pending.done(error if error is not None else RuntimeError("prefill cancelled"))
+    def on_finished_early(self, seq_id: str, error: Exception | None) -> None:
+        submitted = self._submitted.pop(seq_id)
+        submitted.done(error if error is not None else RuntimeError("prefill cancelled"))
 
     def reap(self) -> list[Reaped]:
         """Take the released and expired leases off the table; the loop frees their blocks."""
@@ -187,8 +193,8 @@ class PrefillServer:
         if self._reaper.is_alive():
             self._reaper.join(5)
         self.loop.stop()
-        for seq_id in list(self._pending):
-            self._on_finished_early(seq_id, RuntimeError("prefill instance shutting down"))
+        for seq_id in list(self._submitted):
+            self.on_finished_early(seq_id, RuntimeError("prefill instance shutting down"))
         for source in self.sources.values():
             source.close()
         self.board.close()

@@ -1,6 +1,6 @@
-"""`scheduler`: the decoupled BLS front of every request.
+"""`front`: the decoupled BLS front of every request.
 
-It routes each tokenized request (see scheduler.routing): to the aggregated `worker` group, or
+It routes each tokenized request (see front.routing): to the aggregated `worker` group, or
 to the `prefill` group (first token and KV handle; the token is sent at once) and then the
 `decode` group with the handle. It turns the engine's per-step responses into client chunks
 (one per token when streaming, one in all otherwise) and watches for client cancellation, which
@@ -9,19 +9,17 @@ it relays to the engine through the cancel board (and to a prefill lease, which 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from python_backends.cancel_board import BoardCache, BoardFull, CancelBoard
 from python_backends.diagnostics import enable_stack_dumps
-from python_backends.kv_transfer.base import KVHandle, abandon
-from python_backends.protocol import GenerationRequest, InvalidRequest
-from python_backends.scheduler.admission import (
+from python_backends.flag_board import BoardCache, BoardFull, FlagBoard
+from python_backends.front.admission import (
     AdmissionControl,
     AdmissionLimits,
     RateLimiter,
@@ -29,50 +27,37 @@ from python_backends.scheduler.admission import (
     RejectReason,
     parse_rate_limits,
 )
-from python_backends.scheduler.routing import Route, Router, RoutingPolicy
-from python_backends.scheduler.stream import Chunk, RequestStream
+from python_backends.front.routing import Route, Router, RoutingPolicy
+from python_backends.front.stream import RequestStream
+from python_backends.front.validation import InvalidRequest
+from python_backends.kv_transfer.base import KVHandle, abandon
 from python_backends.serving.bls import BLSStreams
 from python_backends.serving.common import (
     FINAL,
     ModelArgs,
-    bytes_tensor,
+    bls_request,
     error_response,
-    first_bytes,
     inputs_of,
-    tensor,
+    outputs_of,
+    response,
 )
 from python_backends.serving.metrics import AdmissionMetrics, RequestMetrics
+from python_backends.wire import (
+    EngineRequest,
+    GenerationRequest,
+    PrefillAnswer,
+    TokenizedRequest,
+    TokenStep,
+)
 
 log = logging.getLogger(__name__)
-ENGINE_OUTPUTS = [
-    "OUTPUT_IDS", "OUTPUT_LOG_PROBS", "FINISH_REASON", "NUM_INPUT_TOKENS", "NUM_OUTPUT_TOKENS",
-]
 
 
-def chunk_response(chunk: Chunk, board: str, ticket: int) -> Any:
-    return pb_utils.InferenceResponse([
-        bytes_tensor("CANCEL_BOARD", [board]),
-        tensor("CANCEL_TICKET", np.array([[ticket]], dtype=np.int32)),
-        tensor("TOKENS", np.array([chunk.tokens], dtype=np.int32)),
-        tensor("PREFIX_LEN", np.array([[chunk.prefix_len]], dtype=np.int32)),
-        tensor("OUTPUT_IDS", np.array([chunk.output_ids], dtype=np.int32)),
-        bytes_tensor("FINISH_REASON", [chunk.finish_reason]),
-        tensor("NUM_INPUT_TOKENS", np.array([[chunk.num_input_tokens]], dtype=np.int32)),
-        tensor("NUM_OUTPUT_TOKENS", np.array([[chunk.num_output_tokens]], dtype=np.int32)),
-        tensor("CUM_LOG_PROBS", np.array([[chunk.cum_log_prob]], dtype=np.float32)),
-        tensor("OUTPUT_LOG_PROBS", np.array([chunk.output_log_probs], dtype=np.float32)),
-    ])
-
-
-def _output(response: Any, name: str) -> np.ndarray:
-    return pb_utils.get_output_tensor_by_name(response, name).as_numpy()
-
-
-class _Call:
+class ClientLink:
     """One request's link to its client: response sender, cancel ticket, admission wait."""
 
     def __init__(
-        self, sender: Any, board: CancelBoard, ticket: int, leave: Callable[[], None]
+        self, sender: Any, board: FlagBoard, ticket: int, leave: Callable[[], None]
     ) -> None:
         self.sender = sender
         self.board = board
@@ -87,7 +72,7 @@ class _Call:
             self._leave = None
 
     def check_cancelled(self) -> bool:
-        # Postprocessing raises the flag when the client cancels a stream (see cancel_board);
+        # Postprocessing raises the flag when the client cancels a stream (see flag_board);
         # a direct caller of this model cancels the sender itself. Engines see the flag.
         if not self.cancelled and (self.board.is_cancelled(self.ticket)
                                    or self.sender.is_cancelled()):
@@ -100,7 +85,7 @@ class _Call:
         self.cancelled = True  # nothing more goes to this client
 
 
-class SchedulerModel:
+class FrontModel:
     def initialize(self, args: dict[str, str]) -> None:
         enable_stack_dumps()
         margs = ModelArgs(args)
@@ -109,7 +94,7 @@ class SchedulerModel:
         self.decode_model = margs.param("decode_model")
         if bool(self.prefill_model) != bool(self.decode_model):
             raise pb_utils.TritonModelException(
-                "scheduler: set both prefill_model and decode_model, or neither"
+                "front: set both prefill_model and decode_model, or neither"
             )
         self.router = Router(RoutingPolicy(
             disaggregation=bool(self.prefill_model),
@@ -119,7 +104,7 @@ class SchedulerModel:
         ))
         self._boards = BoardCache()  # prefill instances' release boards
         self.bls = BLSStreams()  # every BLS call goes through it (see serving.bls)
-        self.board = CancelBoard.create()
+        self.board = FlagBoard.create()
         self.metrics = RequestMetrics(margs.model_name)
         self.admission_metrics = AdmissionMetrics(
             margs.model_name, tuple(r.value for r in RejectReason)
@@ -131,7 +116,7 @@ class SchedulerModel:
         try:
             limits = parse_rate_limits(margs.param("rate_limits"))
         except ValueError as e:
-            raise pb_utils.TritonModelException(f"scheduler: bad rate_limits: {e}") from None
+            raise pb_utils.TritonModelException(f"front: bad rate_limits: {e}") from None
         self.rate_limiter = RateLimiter(limits)
         self.pool = ThreadPoolExecutor(
             max_workers=margs.int_param("max_concurrent_requests", 1024),
@@ -144,27 +129,23 @@ class SchedulerModel:
         for request in requests:
             sender = request.get_response_sender()
             try:
-                request_json = first_bytes(inputs_of(request), "REQUEST")
+                req = TokenizedRequest.decode(inputs_of(request)).request
             except Exception as e:
-                sender.send(error_response(f"scheduler: bad request: {e}",
+                sender.send(error_response(f"front: bad request: {e}",
                                            pb_utils.TritonError.INVALID_ARG), flags=FINAL)
                 continue
-            self.pool.submit(self._serve, sender, request_json)
+            self.pool.submit(self._serve, sender, req)
         return None
 
-    def _serve(self, sender: Any, request_json: bytes) -> None:
+    def _serve(self, sender: Any, req: GenerationRequest) -> None:
         try:
-            self._serve_one(sender, request_json)
+            self._serve_one(sender, req)
         except Exception as e:
             log.exception("request failed")
-            sender.send(error_response(f"scheduler: {e}", pb_utils.TritonError.INTERNAL),
+            sender.send(error_response(f"front: {e}", pb_utils.TritonError.INTERNAL),
                         flags=FINAL)
 
-    def _serve_one(self, sender: Any, request_json: bytes) -> None:
-        req = GenerationRequest.from_json(request_json)
-        state = RequestStream(
-            req.prompt_ids, req.stream, req.exclude_input_in_output, req.params.return_log_probs
-        )
+    def _serve_one(self, sender: Any, req: GenerationRequest) -> None:
         prompt_tokens = len(req.prompt_ids)
         try:
             self.rate_limiter.check(req.tenant, prompt_tokens + req.params.max_tokens)
@@ -180,9 +161,11 @@ class SchedulerModel:
             sender.send(error_response(f"server overloaded: {e}",
                                        pb_utils.TritonError.UNAVAILABLE), flags=FINAL)
             return
-        call = _Call(sender, self.board, ticket, lambda: self.admission.leave(prompt_tokens))
+        call = ClientLink(sender, self.board, ticket, lambda: self.admission.leave(prompt_tokens))
+        state = RequestStream(req.prompt_ids, req.stream, req.exclude_input_in_output,
+                              req.params.return_log_probs, self.board.name, ticket)
         try:
-            self._route(req, request_json, state, call)
+            self._route(req, state, call)
         finally:
             self.board.release(ticket)
             call.first_response()
@@ -191,104 +174,72 @@ class SchedulerModel:
             return
         self.metrics.finished(state)
 
-    def _route(self, req: GenerationRequest, request_json: bytes, state: RequestStream,
-               call: _Call) -> None:
+    def _route(self, req: GenerationRequest, state: RequestStream, call: ClientLink) -> None:
         try:
             route = self.router.choose(req.route, len(req.prompt_ids))
         except InvalidRequest as e:
             call.fail(str(e), pb_utils.TritonError.INVALID_ARG)
             return
-        engine_inputs = [
-            tensor("INPUT_IDS", np.array(req.prompt_ids, dtype=np.int32)),
-            bytes_tensor("REQUEST", [request_json], batch=False),
-            bytes_tensor("CANCEL_BOARD", [self.board.name], batch=False),
-            tensor("CANCEL_TICKET", np.array([call.ticket], dtype=np.int32)),
-        ]
+        engine_request = EngineRequest(req, self.board.name, call.ticket)
         if route is Route.AGGREGATED:
             self.metrics.routed(route.value)
-            self._relay(self.worker_model, engine_inputs, state, call)
+            self._relay(self.worker_model, engine_request, state, call)
             return
         try:
-            prefilled = self._prefill(req, request_json, call.ticket)
+            prefilled = self._prefill(engine_request)
         finally:
             self.router.prefill_done()
         if prefilled is None and call.check_cancelled():
             return  # the prefill was dropped because the client went away
         if prefilled is None:  # the prefill group failed: decode computes the prompt itself
             self.metrics.routed("disaggregated_fallback")
-            self._relay(self.decode_model, engine_inputs, state, call)
+            self._relay(self.decode_model, engine_request, state, call)
             return
         self.metrics.routed(route.value)
-        token, logprob, finish_reason, handle_json = prefilled
         call.first_response()
-        chunk = state.add([token], [logprob], finish_reason)
+        chunk = state.add([prefilled.token_id], [prefilled.log_prob], prefilled.finish_reason)
         if chunk is not None:
-            call.sender.send(chunk_response(chunk, self.board.name, call.ticket),
-                             flags=FINAL if finish_reason else 0)
-        if finish_reason:
+            call.sender.send(response(chunk, batched=True),
+                             flags=FINAL if prefilled.finish_reason else 0)
+        if prefilled.finish_reason:
             return
         if call.check_cancelled():  # the decode step never comes: free the lease now
-            abandon(KVHandle.from_json(handle_json), self._boards)
+            abandon(KVHandle.from_json(prefilled.kv_handle), self._boards)
             return
-        self._relay(self.decode_model, [
-            *engine_inputs,
-            bytes_tensor("KV_HANDLE", [handle_json], batch=False),
-            tensor("FIRST_TOKEN", np.array([token], dtype=np.int32)),
-            tensor("FIRST_LOG_PROB", np.array([logprob], dtype=np.float32)),
-        ], state, call)
+        self._relay(self.decode_model, dataclasses.replace(
+            engine_request, kv_handle=prefilled.kv_handle, first_token=prefilled.token_id,
+            first_log_prob=prefilled.log_prob,
+        ), state, call)
 
-    def _prefill(
-        self, req: GenerationRequest, request_json: bytes, ticket: int
-    ) -> tuple[int, float, str, bytes] | None:
-        """First token, its log-prob, finish reason and KV handle from the prefill group; None
-        when it failed (logged)."""
-        request = pb_utils.InferenceRequest(
-            model_name=self.prefill_model,
-            inputs=[
-                tensor("INPUT_IDS", np.array([req.prompt_ids], dtype=np.int32)),
-                bytes_tensor("REQUEST", [request_json]),
-                bytes_tensor("CANCEL_BOARD", [self.board.name]),
-                tensor("CANCEL_TICKET", np.array([[ticket]], dtype=np.int32)),
-            ],
-            requested_output_names=["OUTPUT_IDS", "OUTPUT_LOG_PROBS", "FINISH_REASON",
-                                    "KV_HANDLE"],
-        )
+    def _prefill(self, engine_request: EngineRequest) -> PrefillAnswer | None:
+        """The prefill group's answer; None when it failed (logged)."""
+        request = bls_request(self.prefill_model, engine_request, True, PrefillAnswer)
         result = None
-        for response in self.bls.stream(request):  # one answer, then the final flag
-            if response.has_error():
+        for answer in self.bls.stream(request):  # one answer, then the final flag
+            if answer.has_error():
                 log.warning("prefill failed, decode will recompute: %s",
-                            response.error().message())
-            elif response.output_tensors():
-                result = (
-                    int(_output(response, "OUTPUT_IDS").reshape(-1)[0]),
-                    float(_output(response, "OUTPUT_LOG_PROBS").reshape(-1)[0]),
-                    bytes(_output(response, "FINISH_REASON").reshape(-1)[0]).decode(),
-                    bytes(_output(response, "KV_HANDLE").reshape(-1)[0]),
-                )
+                            answer.error().message())
+            elif answer.output_tensors():
+                result = PrefillAnswer.decode(outputs_of(answer))
         return result
 
-    def _relay(self, model: str, inputs: list[Any], state: RequestStream, call: _Call) -> None:
+    def _relay(self, model: str, engine_request: EngineRequest, state: RequestStream,
+               call: ClientLink) -> None:
         """Stream an engine model's responses to the client as chunks."""
-        request = pb_utils.InferenceRequest(
-            model_name=model, inputs=inputs, requested_output_names=ENGINE_OUTPUTS,
-        )
-        for response in self.bls.stream(request):
+        request = bls_request(model, engine_request, False, TokenStep)
+        for answer in self.bls.stream(request):
             call.first_response()  # a token, an error or the end ends the wait
-            if response.has_error():  # keeps the engine's code: a refusal is the client's
-                error = response.error()
+            if answer.has_error():  # keeps the engine's code: a refusal is the client's
+                error = answer.error()
                 call.fail(error.message(), error.code())
                 return
-            if call.check_cancelled() or not response.output_tensors():
+            if call.check_cancelled() or not answer.output_tensors():
                 continue  # drain until the engine's final response
-            chunk = state.add(
-                _output(response, "OUTPUT_IDS").tolist(),
-                _output(response, "OUTPUT_LOG_PROBS").tolist(),
-                bytes(_output(response, "FINISH_REASON")[0]).decode(),
-            )
+            step = TokenStep.decode(outputs_of(answer))
+            chunk = state.add(step.output_ids, step.output_log_probs, step.finish_reason)
             if chunk is not None:
                 flags = FINAL if chunk.finish_reason else 0
-                call.sender.send(chunk_response(chunk, self.board.name, call.ticket),
-                                 flags=flags)
+                call.sender.send(response(chunk, batched=True), flags=flags)
 
     def finalize(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)

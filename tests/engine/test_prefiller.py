@@ -11,13 +11,14 @@ from typing import Any
 
 import pytest
 
-from python_backends.cancel_board import BoardCache
-from python_backends.engine.llm_engine import LLMEngine, kv_layout
-from python_backends.engine.params import SamplingParams
-from python_backends.engine.prefill_server import PrefillJob, PrefillResult, PrefillServer
+from python_backends.engine.llm_engine import LLMEngine
+from python_backends.engine.prefiller import Prefiller, PrefillJob, PrefillResult
+from python_backends.engine.sequence import Sequence
+from python_backends.flag_board import BoardCache
 from python_backends.kv_transfer import nixl
 from python_backends.kv_transfer.base import KVHandle, KVSink, TransferError
 from python_backends.kv_transfer.host_shm import HostShmSink, HostShmSource, SharedPool
+from python_backends.params import SamplingParams
 from tests.conftest import TinyModel, prompts
 
 TRANSPORTS = ["host_shm", "nixl"] if nixl.available() else ["host_shm"]
@@ -25,7 +26,7 @@ N_OUT = 12
 
 
 @pytest.fixture(scope="module")
-def prefill(tiny_llama: TinyModel) -> Iterator[PrefillServer]:
+def prefill(tiny_llama: TinyModel) -> Iterator[Prefiller]:
     shared: list[SharedPool] = []
 
     def pool(layout: Any, device: Any) -> Any:
@@ -35,11 +36,11 @@ def prefill(tiny_llama: TinyModel) -> Iterator[PrefillServer]:
     engine = tiny_llama.engine(num_kv_blocks=96, kv_pool=pool)
     sources: dict[str, Any] = {"host_shm": HostShmSource(shared[0].name)}
     if "nixl" in TRANSPORTS:
-        sources["nixl"] = nixl.NixlSource(engine.kv_pool, nixl.agent_name("prefill"))
-    server = PrefillServer(engine, sources, owner="prefill-0", lease_s=20.0)
-    server.start()
-    yield server
-    server.close()
+        sources["nixl"] = nixl.NixlSource(engine.handoff.pool, nixl.agent_name("prefill"))
+    prefiller = Prefiller(engine, sources, owner="prefill-0", lease_s=20.0)
+    prefiller.start()
+    yield prefiller
+    prefiller.close()
     shared[0].close()
 
 
@@ -47,10 +48,11 @@ def prefill(tiny_llama: TinyModel) -> Iterator[PrefillServer]:
 def decode(tiny_llama: TinyModel) -> Iterator[tuple[LLMEngine, dict[str, KVSink]]]:
     engine = tiny_llama.engine(num_kv_blocks=80)
     boards = BoardCache()
-    layout = kv_layout(engine.config, 80)
-    sinks: dict[str, KVSink] = {"host_shm": HostShmSink(layout, engine.kv_pool, boards)}
+    layout = engine.handoff.layout
+    sinks: dict[str, KVSink] = {"host_shm": HostShmSink(layout, engine.handoff.pool, boards)}
     if "nixl" in TRANSPORTS:
-        sinks["nixl"] = nixl.NixlSink(layout, engine.kv_pool, nixl.agent_name("decode"), boards)
+        sinks["nixl"] = nixl.NixlSink(layout, engine.handoff.pool, nixl.agent_name("decode"),
+                                      boards)
     yield engine, sinks
     for sink in sinks.values():
         sink.close()
@@ -81,32 +83,30 @@ def _continue(
                 return False
         return fetch
 
-    def flush() -> None:
-        for sink in sinks.values():
-            sink.flush()
-
-    engine.after_handoffs = flush
     for i, (res, prompt) in enumerate(zip(results, batch, strict=True)):
         assert res.handle is not None and res.finish_reason is None
         outputs[f"s{i}"] = [res.token_id]
-        engine.add_handoff(f"s{i}", prompt, res.token_id, res.logprob, _params(),
-                           res.handle.num_tokens, fetcher(res.handle))
+        seq = Sequence(f"s{i}", prompt, _params())
+        seq.continue_from(res.token_id, res.logprob)
+        engine.handoff.add(seq, res.handle.num_tokens, fetcher(res.handle))
     while engine.has_unfinished:
         for ev in engine.step():
             outputs[ev.seq_id].append(ev.token_id)
+        for sink in sinks.values():  # as the decode model does after each step
+            sink.flush()
     return outputs, failures
 
 
-def _wait_released(server: PrefillServer) -> None:
+def _wait_released(prefiller: Prefiller) -> None:
     deadline = time.monotonic() + 10
-    while server.engine.blocks.num_used and time.monotonic() < deadline:
+    while prefiller.engine.blocks.num_used and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert server.engine.blocks.num_used == 0 and len(server.leases) == 0
+    assert prefiller.engine.blocks.num_used == 0 and len(prefiller.leases) == 0
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_handoff_matches_hf_and_decode_computes_no_prompt(
-    tiny_llama: TinyModel, prefill: PrefillServer, decode: Any, transport: str
+    tiny_llama: TinyModel, prefill: Prefiller, decode: Any, transport: str
 ) -> None:
     engine, sinks = decode
     batch = prompts(5, seed=3, lo=5, hi=60)
@@ -124,7 +124,7 @@ def test_handoff_matches_hf_and_decode_computes_no_prompt(
 @pytest.mark.parametrize("fault", ["transfer_error", "expire_lease"])
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_failed_handoff_recomputes(
-    tiny_llama: TinyModel, prefill: PrefillServer, decode: Any, transport: str, fault: str
+    tiny_llama: TinyModel, prefill: Prefiller, decode: Any, transport: str, fault: str
 ) -> None:
     engine, sinks = decode
     batch = prompts(2, seed=12, lo=20, hi=40)
@@ -141,7 +141,7 @@ def test_failed_handoff_recomputes(
         assert prefill.num_expired == expired_before + 2
 
 
-def test_unreleased_lease_expires(tiny_llama: TinyModel, prefill: PrefillServer) -> None:
+def test_unreleased_lease_expires(tiny_llama: TinyModel, prefill: Prefiller) -> None:
     prefill.lease_s = 0.2
     try:
         [res] = prefill.prefill([PrefillJob(prompts(1, seed=13)[0], _params())])
@@ -154,7 +154,7 @@ def test_unreleased_lease_expires(tiny_llama: TinyModel, prefill: PrefillServer)
     assert prefill.num_expired == expired + 1
 
 
-def test_first_token_can_finish_the_request(prefill: PrefillServer) -> None:
+def test_first_token_can_finish_the_request(prefill: Prefiller) -> None:
     [res] = prefill.prefill([PrefillJob([5, 6, 7], SamplingParams(max_tokens=1))])
     assert isinstance(res, PrefillResult)
     assert res.handle is None and res.finish_reason is not None
@@ -163,7 +163,7 @@ def test_first_token_can_finish_the_request(prefill: PrefillServer) -> None:
     assert isinstance(bad, ValueError) and "carrier_pigeon" in str(bad)
 
 
-def test_results_come_as_each_prompt_finishes(prefill: PrefillServer) -> None:
+def test_results_come_as_each_prompt_finishes(prefill: Prefiller) -> None:
     """Prompts share one continuous batch: the first one's result does not wait for the last."""
     order: list[int] = []
     busy_at_first: list[bool] = []
@@ -193,9 +193,9 @@ def test_results_come_as_each_prompt_finishes(prefill: PrefillServer) -> None:
     _wait_released_or_expire(prefill)
 
 
-def _wait_released_or_expire(server: PrefillServer) -> None:
-    """Leases nobody will pull: release them as a scheduler does when its client cancels."""
-    with server._leases_lock:
-        for ticket in list(server.leases._leases):
-            server.board.cancel(ticket)
-    _wait_released(server)
+def _wait_released_or_expire(prefiller: Prefiller) -> None:
+    """Leases nobody will pull: release them as a front does when its client cancels."""
+    with prefiller._leases_lock:
+        for ticket in list(prefiller.leases._leases):
+            prefiller.board.cancel(ticket)
+    _wait_released(prefiller)

@@ -4,7 +4,7 @@ per rank, and the torch.distributed backend those devices need.
 A KIND_CPU instance runs every rank on the CPU (gloo). A KIND_GPU instance owns the GPUs
 `device_id .. device_id + world_size - 1`, rank r on `device_id + r`: NCCL allows one rank per
 GPU, so a 2-rank engine on an 8-GPU node is four instances listed as `gpus: [0]`, `[2]`, `[4]`,
-`[6]` in `instance_group` (see README, "GPU serving").
+`[6]` in `instance_group` (see docs/engines.md, "GPU serving").
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Front-door admission: per-tenant rate limits and bounds on work waiting for an engine.
 
 Policies are small objects with an injectable clock so they are tested on simulated time; the
-scheduler model consults them before a request reaches an engine, and a refused request never
+front model consults them before a request reaches an engine, and a refused request never
 holds a KV block.
 """
 
@@ -14,8 +14,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from python_backends.wire import DEFAULT_TENANT
+
 Clock = Callable[[], float]
-DEFAULT_TENANT = "default"
 
 
 class RejectReason(enum.Enum):

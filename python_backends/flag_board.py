@@ -1,19 +1,16 @@
-"""Cross-process cancellation flags: one byte per in-flight request in a shared-memory file.
+"""Cross-process flags: one byte per ticket in a shared-memory file, raised by one process and
+read by others for free. Two boards use it: the front's cancel board (postprocessing raises a
+request's flag when its client goes away; the front and the engine holding the sequence drop
+it) and a prefill instance's lease board (a decode instance raises a lease's flag to release its
+KV blocks). Why cancellation needs it: Triton 2.51 never tells the decoupled front step of an
+ensemble, nor a BLS callee, that a client cancelled (docs/platform.md).
 
-Why it exists: in Triton 2.51 a client's cancellation of an ensemble request never reaches the
-decoupled scheduler step (the ensemble only marks the requests of steps scheduled afterwards,
-i.e. postprocessing), and the Python backend cannot cancel a BLS request. So postprocessing,
-which does see the cancellation, raises the request's flag here; the scheduler stops streaming
-and the engine instance holding the sequence (whichever stub Triton routed it to) sees the flag
-at its next step and frees the sequence's KV blocks. Reading a mapped byte costs nothing.
+A flag is addressed by a ticket (slot and a per-slot generation tag), so a late flag for a
+finished request can never hit the next request that reuses its slot.
 
-A flag is addressed by a ticket (slot and a per-slot generation tag), so a late cancellation of
-a finished request can never cancel the next request that reuses its slot.
-
-A board's name carries its owner's pid, so a reader also tells that the scheduler instance
-behind a request is gone (`owner_alive`): its stub died, and nothing it asked for is wanted, so
-every ticket on its board reads as cancelled.
-"""
+A board's name carries its owner's pid, so a reader also tells that the owner is gone
+(`owner_alive`): its stub died, nothing it asked for is wanted, and every ticket on its board
+reads as raised."""
 
 from __future__ import annotations
 
@@ -41,7 +38,7 @@ def _pid_in(name: str) -> str:
     return name[len(NAME_PREFIX):].split("_")[0]
 
 
-class CancelBoard:
+class FlagBoard:
     def __init__(self, path: Path, size: int, owner: bool) -> None:
         self.path = path
         self.size = size
@@ -60,11 +57,11 @@ class CancelBoard:
         self._owner_checked = time.monotonic()
 
     @classmethod
-    def create(cls, size: int = 1 << 16) -> CancelBoard:
+    def create(cls, size: int = 1 << 16) -> FlagBoard:
         return cls(SHM_DIR / f"{NAME_PREFIX}{os.getpid()}_{uuid.uuid4().hex[:8]}", size, True)
 
     @classmethod
-    def attach(cls, name: str) -> CancelBoard:
+    def attach(cls, name: str) -> FlagBoard:
         path = SHM_DIR / name
         if (not name.startswith(NAME_PREFIX) or path.parent != SHM_DIR
                 or not _pid_in(name).isdigit()):
@@ -123,14 +120,14 @@ class BoardCache:
     """Boards attached by name, once per process (engine and postprocessing stubs)."""
 
     def __init__(self) -> None:
-        self._boards: dict[str, CancelBoard] = {}
+        self._boards: dict[str, FlagBoard] = {}
         self._lock = threading.Lock()
 
-    def get(self, name: str) -> CancelBoard:
+    def get(self, name: str) -> FlagBoard:
         with self._lock:
             board = self._boards.get(name)
             if board is None:
-                board = self._boards[name] = CancelBoard.attach(name)
+                board = self._boards[name] = FlagBoard.attach(name)
             return board
 
     def close(self) -> None:

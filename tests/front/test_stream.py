@@ -1,4 +1,4 @@
-from python_backends.scheduler.stream import RequestStream
+from python_backends.front.stream import RequestStream
 
 
 def test_non_streaming_sends_one_chunk_with_prompt_unless_excluded() -> None:

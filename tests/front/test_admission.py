@@ -2,7 +2,7 @@
 
 import pytest
 
-from python_backends.scheduler.admission import (
+from python_backends.front.admission import (
     AdmissionControl,
     AdmissionLimits,
     RateLimit,

@@ -1,0 +1,3 @@
+from python_backends.serving.front import FrontModel as TritonPythonModel
+
+__all__ = ["TritonPythonModel"]

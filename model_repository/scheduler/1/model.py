@@ -1,3 +1,0 @@
-from python_backends.serving.scheduler import SchedulerModel as TritonPythonModel
-
-__all__ = ["TritonPythonModel"]

@@ -1,0 +1,103 @@
+"""The engine's side of a KV handoff between instances: the pool KV transports see, sequences
+whose KV arrives from another instance (import), and prefilled sequences whose KV leaves
+(export).
+
+The pool transports see always has the whole model's layout (every layer, every KV head), so
+engines with different TP/PP layouts can hand KV to each other. A single-rank engine computes in
+it directly; a multi-rank one computes in per-rank slices, so an export first gathers the blocks
+from the ranks into it and an import scatters them out of it (see engine.ranks).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from python_backends.engine.block_manager import BlockManager
+from python_backends.engine.model_runner import ModelRunner
+from python_backends.engine.scheduler import Scheduler
+from python_backends.engine.sequence import Sequence, SequenceStatus
+from python_backends.kv_transfer.layout import KVLayout, allocate_pool
+from python_backends.params import FinishReason
+
+# Copies a handed-off sequence's KV into the given local blocks; False: not possible (recompute).
+KVFetch = Callable[[list[int]], bool]
+
+
+@dataclass
+class KVImport:
+    """A sequence prefilled elsewhere, waiting for blocks to pull its KV into."""
+
+    seq: Sequence
+    num_kv_tokens: int
+    fetch: KVFetch
+
+
+class KVHandoff:
+    def __init__(self, layout: KVLayout, runner: ModelRunner, blocks: BlockManager,
+                 scheduler: Scheduler, pool: torch.Tensor | None = None) -> None:
+        """`layout`: the whole-model layout transports move. `pool`: the tensor they see (shared
+        memory for host_shm); a single-rank engine's runner computes in it, a multi-rank engine
+        allocates it on first use."""
+        self.layout = layout
+        self._runner = runner
+        self._blocks = blocks
+        self._scheduler = scheduler
+        self._pool = pool
+        self.imports: deque[KVImport] = deque()
+
+    @property
+    def pool(self) -> torch.Tensor:
+        """The whole-model pool KV transports read from and write into."""
+        if self._runner.group is None:
+            return self._runner.kv_pool
+        if self._pool is None:
+            self._pool = allocate_pool(self.layout, device=self._runner.kv_pool.device)
+        return self._pool
+
+    def add(self, seq: Sequence, num_kv_tokens: int, fetch: KVFetch) -> None:
+        """Queue `seq` (its first token already drawn elsewhere): before a later step, blocks are
+        allocated for its first `num_kv_tokens` tokens and `fetch` fills them; if it cannot, the
+        prompt is recomputed here."""
+        if num_kv_tokens > seq.num_prompt_tokens:
+            raise ValueError(f"{num_kv_tokens} KV tokens for a {seq.num_prompt_tokens}-token "
+                             "prompt")
+        self._scheduler.check_fits(seq)
+        self.imports.append(KVImport(seq, num_kv_tokens, fetch))
+
+    def pull(self) -> None:
+        """Pull queued imports while blocks are free (in arrival order), then hand the sequences
+        to the scheduler like any other: computed up to the imported tokens, or not at all."""
+        while self.imports:
+            item = self.imports[0]
+            need = self._blocks.blocks_for(item.num_kv_tokens)
+            if not self._blocks.can_allocate(need) and self._scheduler.has_unfinished:
+                break  # blocks free up as running sequences finish
+            self.imports.popleft()
+            blocks = self._blocks.allocate(need) if self._blocks.can_allocate(need) else None
+            if blocks is not None and item.fetch(blocks):
+                if self._runner.group is not None:
+                    self._runner.group.import_kv(self._runner.kv_pool, self.pool, blocks)
+                item.seq.block_table = blocks
+                item.seq.num_computed_tokens = item.num_kv_tokens
+            elif blocks is not None:
+                self._blocks.release(blocks)
+            self._scheduler.add(item.seq)
+
+    def export(self, blocks: list[int]) -> None:
+        """Make `blocks` (of prefilled sequences about to be handed over) readable in `pool`."""
+        if blocks and self._runner.group is not None:
+            self._runner.group.export_kv(self._runner.kv_pool, self.pool, blocks)
+
+    def abort(self, seq_id: str) -> Sequence | None:
+        """Drop a queued import; returns its sequence, finished as cancelled."""
+        for item in self.imports:
+            if item.seq.seq_id == seq_id:
+                self.imports.remove(item)
+                item.seq.status = SequenceStatus.FINISHED
+                item.seq.finish_reason = FinishReason.CANCELLED
+                return item.seq
+        return None

@@ -1,0 +1,304 @@
+"""Every message that crosses a model boundary, and its one encoding as Triton tensors.
+
+A message is a frozen dataclass whose fields are tensors (`_tensor(NAME, KIND)`). `encode`
+turns it into name -> numpy array, `decode` reads it back from the arrays a model received; the
+Triton glue (serving.common) only wraps and unwraps those arrays. This module is the only place
+the repository's tensor names are written: tests/test_wire.py checks every config.pbtxt
+against `MODEL_INTERFACES`.
+
+The path of one request (docs/architecture.md draws it):
+  ensemble inputs -> preprocessing -> TokenizedRequest -> front -> EngineRequest -> worker or
+  decode -> TokenStep -> front; or EngineRequest -> prefill -> PrefillAnswer -> front;
+  front -> ClientChunk -> postprocessing -> ClientOutput (the ensemble's outputs).
+
+Free of torch and of Triton: the front's stub imports it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar, Self
+
+import numpy as np
+
+from python_backends.params import SamplingParams
+
+DEFAULT_TENANT = "default"
+
+
+class Kind(enum.Enum):
+    """How a field is carried: its Triton data type and whether it is a list (dims [-1]) or
+    one value (dims [1])."""
+
+    INT = enum.auto()
+    UINT64 = enum.auto()
+    FLOAT = enum.auto()
+    BOOL = enum.auto()
+    TEXT = enum.auto()  # str, UTF-8
+    BLOB = enum.auto()  # bytes as they are
+    JSON = enum.auto()  # a record with to_json / from_json
+    INTS = enum.auto()
+    FLOATS = enum.auto()
+    TEXTS = enum.auto()
+
+    @property
+    def triton_type(self) -> str:
+        return _TRITON_TYPES[self]
+
+    @property
+    def numpy_type(self) -> Any:
+        return _NUMPY_TYPES.get(self, np.object_)
+
+    @property
+    def is_list(self) -> bool:
+        return self in (Kind.INTS, Kind.FLOATS, Kind.TEXTS)
+
+
+_TRITON_TYPES = {Kind.INT: "TYPE_INT32", Kind.UINT64: "TYPE_UINT64", Kind.FLOAT: "TYPE_FP32",
+                 Kind.BOOL: "TYPE_BOOL", Kind.INTS: "TYPE_INT32", Kind.FLOATS: "TYPE_FP32",
+                 Kind.TEXT: "TYPE_STRING", Kind.BLOB: "TYPE_STRING", Kind.JSON: "TYPE_STRING",
+                 Kind.TEXTS: "TYPE_STRING"}
+_NUMPY_TYPES = {Kind.INT: np.int32, Kind.UINT64: np.uint64, Kind.FLOAT: np.float32,
+                Kind.BOOL: np.bool_, Kind.INTS: np.int32, Kind.FLOATS: np.float32}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    kind: Kind
+    optional: bool = False
+    variable: bool = False  # declared with dims [-1] even when it carries one value
+
+    @property
+    def dims(self) -> list[int]:
+        return [-1] if self.kind.is_list or self.variable else [1]
+
+
+def _tensor(name: str, kind: Kind, default: Any = dataclasses.MISSING,
+            variable: bool = False) -> Any:
+    """A dataclass field carried as tensor `name`; a field with a default is optional."""
+    spec = TensorSpec(name, kind, default is not dataclasses.MISSING, variable)
+    return field(default=default, metadata={"tensor": spec})
+
+
+class Message:
+    """Base of the typed messages: encoding and decoding from the fields' tensor specs."""
+
+    JSON_TYPES: ClassVar[dict[str, type]] = {}
+
+    @classmethod
+    def specs(cls) -> list[TensorSpec]:
+        return [f.metadata["tensor"] for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return [s.name for s in cls.specs()]
+
+    def encode(self, batched: bool) -> dict[str, np.ndarray]:
+        """Name -> array; `batched`: with the leading batch dimension of 1 that models with a
+        max_batch_size expect. Optional fields that are None are left out."""
+        out = {}
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            if value is None:
+                continue
+            spec: TensorSpec = f.metadata["tensor"]
+            arr = _to_array(spec.kind, value)
+            out[spec.name] = arr[None, ...] if batched else arr
+        return out
+
+    @classmethod
+    def decode(cls, arrays: Mapping[str, np.ndarray]) -> Self:
+        """From the arrays a model received (any batch shape); a missing optional tensor reads
+        as its default. A missing required one is a KeyError naming it."""
+        values = {}
+        for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+            spec: TensorSpec = f.metadata["tensor"]
+            if spec.name in arrays:
+                values[f.name] = _from_array(spec.kind, arrays[spec.name],
+                                             cls.JSON_TYPES.get(f.name))
+            elif not spec.optional:
+                raise KeyError(f"{cls.__name__}: tensor {spec.name} missing")
+        return cls(**values)
+
+
+def _to_array(kind: Kind, value: Any) -> np.ndarray:
+    if kind is Kind.JSON:
+        value = value.to_json()
+    if kind in (Kind.TEXT, Kind.BLOB, Kind.JSON, Kind.TEXTS):
+        items = value if kind.is_list else [value]
+        return np.array([v.encode() if isinstance(v, str) else bytes(v) for v in items],
+                        dtype=np.object_)
+    return np.array(value if kind.is_list else [value], dtype=kind.numpy_type)
+
+
+def _from_array(kind: Kind, arr: np.ndarray, json_type: type | None) -> Any:
+    flat = arr.reshape(-1)
+    if kind.is_list:
+        return [bytes(v).decode() for v in flat] if kind is Kind.TEXTS else flat.tolist()
+    value = flat[0]
+    if kind is Kind.TEXT:
+        return bytes(value).decode()
+    if kind is Kind.BLOB:
+        return bytes(value)
+    if kind is Kind.JSON:
+        assert json_type is not None
+        return json_type.from_json(bytes(value))  # type: ignore[attr-defined]
+    if kind is Kind.BOOL:
+        return bool(value)
+    return float(value) if kind is Kind.FLOAT else int(value)
+
+
+# --- what a request asks for -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A validated, tokenized request (front.validation makes it): what every model after
+    preprocessing works from. Carried as JSON in the REQUEST tensor."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    stream: bool = False
+    exclude_input_in_output: bool = False
+    tenant: str = DEFAULT_TENANT
+    priority: int = 0
+    route: str = "auto"  # front.routing.Route's values, or "auto"
+    kv_transport: str = ""  # "" = the prefill instance's default
+    kv_fault: str = ""  # front.validation.KV_FAULTS
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> GenerationRequest:
+        d = json.loads(text)
+        p = d.pop("params")
+        p["end_ids"] = tuple(p["end_ids"])
+        p["stop_sequences"] = tuple(tuple(s) for s in p["stop_sequences"])
+        p["bad_sequences"] = tuple(tuple(s) for s in p["bad_sequences"])
+        return cls(params=SamplingParams(**p), **d)
+
+
+# --- the messages ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TokenizedRequest(Message):
+    """preprocessing -> front."""
+
+    JSON_TYPES: ClassVar[dict[str, type]] = {"request": GenerationRequest}
+    request: GenerationRequest = _tensor("REQUEST", Kind.JSON)
+
+
+@dataclass(frozen=True)
+class EngineRequest(Message):
+    """front -> worker, decode or prefill. `cancel_board` and `cancel_ticket` name the flag the
+    front raises when the client goes away (flag_board); a direct caller leaves them out. A
+    request prefilled elsewhere carries its KV handle (kv_transfer.KVHandle as JSON) and first
+    token, for decode."""
+
+    JSON_TYPES: ClassVar[dict[str, type]] = {"request": GenerationRequest}
+    request: GenerationRequest = _tensor("REQUEST", Kind.JSON)
+    cancel_board: str | None = _tensor("CANCEL_BOARD", Kind.TEXT, None)
+    cancel_ticket: int = _tensor("CANCEL_TICKET", Kind.INT, 0)
+    kv_handle: bytes | None = _tensor("KV_HANDLE", Kind.BLOB, None)
+    first_token: int | None = _tensor("FIRST_TOKEN", Kind.INT, None)
+    first_log_prob: float | None = _tensor("FIRST_LOG_PROB", Kind.FLOAT, None)
+
+
+@dataclass(frozen=True)
+class TokenStep(Message):
+    """worker or decode -> front: one step's new token of one sequence (none in a final
+    "cancelled" answer)."""
+
+    output_ids: list[int] = _tensor("OUTPUT_IDS", Kind.INTS)
+    output_log_probs: list[float] = _tensor("OUTPUT_LOG_PROBS", Kind.FLOATS)
+    finish_reason: str = _tensor("FINISH_REASON", Kind.TEXT)  # "" until the last step
+    num_input_tokens: int = _tensor("NUM_INPUT_TOKENS", Kind.INT)
+    num_output_tokens: int = _tensor("NUM_OUTPUT_TOKENS", Kind.INT)
+
+
+@dataclass(frozen=True)
+class PrefillAnswer(Message):
+    """prefill -> front: the first token and, when the sequence goes on, the KV handle (JSON of
+    kv_transfer.KVHandle; empty when the first token already ended it)."""
+
+    token_id: int = _tensor("OUTPUT_IDS", Kind.INT)
+    log_prob: float = _tensor("OUTPUT_LOG_PROBS", Kind.FLOAT)
+    finish_reason: str = _tensor("FINISH_REASON", Kind.TEXT)
+    kv_handle: bytes = _tensor("KV_HANDLE", Kind.BLOB)
+
+
+@dataclass(frozen=True)
+class ClientChunk(Message):
+    """front -> postprocessing: what one client response needs. `tokens` is a window to
+    detokenize whose first `prefix_len` ids were sent before (see detokenizer)."""
+
+    cancel_board: str = _tensor("CANCEL_BOARD", Kind.TEXT)
+    cancel_ticket: int = _tensor("CANCEL_TICKET", Kind.INT)
+    tokens: list[int] = _tensor("TOKENS", Kind.INTS)
+    prefix_len: int = _tensor("PREFIX_LEN", Kind.INT)
+    output_ids: list[int] = _tensor("OUTPUT_IDS", Kind.INTS)  # generated ids it reports
+    finish_reason: str = _tensor("FINISH_REASON", Kind.TEXT)  # "" until the last chunk
+    num_input_tokens: int = _tensor("NUM_INPUT_TOKENS", Kind.INT)
+    num_output_tokens: int = _tensor("NUM_OUTPUT_TOKENS", Kind.INT)
+    cum_log_prob: float = _tensor("CUM_LOG_PROBS", Kind.FLOAT)
+    output_log_probs: list[float] = _tensor("OUTPUT_LOG_PROBS", Kind.FLOATS)
+
+
+@dataclass(frozen=True)
+class ClientOutput(Message):
+    """postprocessing -> the client: the ensemble's outputs (the Triton TensorRT-LLM backend's
+    names; declared with dims [-1], as that backend's are)."""
+
+    text_output: str = _tensor("text_output", Kind.TEXT, variable=True)
+    finish_reason: str = _tensor("finish_reason", Kind.TEXT, variable=True)
+    num_input_tokens: int = _tensor("num_input_tokens", Kind.INT, variable=True)
+    num_output_tokens: int = _tensor("num_output_tokens", Kind.INT, variable=True)
+    cum_log_probs: float = _tensor("cum_log_probs", Kind.FLOAT, variable=True)
+    output_log_probs: list[float] = _tensor("output_log_probs", Kind.FLOATS, variable=True)
+    output_ids: list[int] = _tensor("output_ids", Kind.INTS, variable=True)
+
+
+# The ensemble's inputs (the Triton TensorRT-LLM backend's names), all optional in the config;
+# front.validation parses and checks them.
+CLIENT_INPUTS: dict[str, TensorSpec] = {name: TensorSpec(name, kind, optional=True)
+                                      for name, kind in (
+    ("text_input", Kind.TEXT),
+    ("max_tokens", Kind.INT),
+    ("stream", Kind.BOOL),
+    ("temperature", Kind.FLOAT),
+    ("top_k", Kind.INT),
+    ("top_p", Kind.FLOAT),
+    ("seed", Kind.UINT64),
+    ("stop_words", Kind.TEXTS),
+    ("bad_words", Kind.TEXTS),
+    ("end_id", Kind.INT),
+    ("pad_id", Kind.INT),
+    ("min_tokens", Kind.INT),
+    ("min_length", Kind.INT),  # genai-perf's name for min_tokens
+    ("repetition_penalty", Kind.FLOAT),
+    ("presence_penalty", Kind.FLOAT),
+    ("frequency_penalty", Kind.FLOAT),
+    ("exclude_input_in_output", Kind.BOOL),
+    ("return_log_probs", Kind.BOOL),
+    ("priority", Kind.INT),
+)}
+
+# Model name -> (its inputs, its outputs). Prefill takes an EngineRequest without the handoff.
+MODEL_INTERFACES: dict[str, tuple[list[TensorSpec], list[TensorSpec]]] = {
+    "ensemble": (list(CLIENT_INPUTS.values()), ClientOutput.specs()),
+    "preprocessing": (list(CLIENT_INPUTS.values()), TokenizedRequest.specs()),
+    "front": (TokenizedRequest.specs(), ClientChunk.specs()),
+    "worker": (EngineRequest.specs(), TokenStep.specs()),
+    "decode": (EngineRequest.specs(), TokenStep.specs()),
+    "prefill": ([s for s in EngineRequest.specs()
+                 if s.name not in ("KV_HANDLE", "FIRST_TOKEN", "FIRST_LOG_PROB")],
+                PrefillAnswer.specs()),
+    "postprocessing": (ClientChunk.specs(), ClientOutput.specs()),
+}

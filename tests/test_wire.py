@@ -1,0 +1,99 @@
+"""The typed messages between the models: every config.pbtxt declares exactly the tensors the
+wire module writes, and each message survives its encoding (batched or not)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from python_backends.params import SamplingParams
+from python_backends.wire import (
+    MODEL_INTERFACES,
+    ClientChunk,
+    ClientOutput,
+    EngineRequest,
+    GenerationRequest,
+    Message,
+    PrefillAnswer,
+    TensorSpec,
+    TokenizedRequest,
+    TokenStep,
+)
+
+REPOSITORY = Path(__file__).resolve().parents[1] / "model_repository"
+_TENSOR = re.compile(r'\{\s*name:\s*"(\w+)"\s+data_type:\s*(\w+)\s+dims:\s*\[\s*(-?\d+)\s*\]'
+                     r'([^}]*)\}')
+
+
+def declared(model: str, section: str,
+             repository: Path = REPOSITORY) -> dict[str, tuple[str, list[int], bool]]:
+    """The `input` or `output` tensors of a config.pbtxt: name -> (type, dims, optional)."""
+    text = (repository / model / "config.pbtxt").read_text()
+    text = "\n".join(line.split("#")[0] for line in text.splitlines())
+    body = re.search(rf"^{section}\s*\[(.*?)^\]", text, re.S | re.M)
+    assert body is not None, f"{model}: no {section} section"
+    return {m[1]: (m[2], [int(m[3])], "optional: true" in m[4])
+            for m in _TENSOR.finditer(body.group(1))}
+
+
+def expected(specs: list[TensorSpec]) -> dict[str, tuple[str, list[int], bool]]:
+    return {s.name: (s.kind.triton_type, s.dims, s.optional) for s in specs}
+
+
+@pytest.mark.parametrize("model", sorted(MODEL_INTERFACES))
+def test_config_declares_the_wire_tensors(model: str) -> None:
+    inputs, outputs = MODEL_INTERFACES[model]
+    assert declared(model, "input") == expected(inputs)
+    outs = declared(model, "output")
+    assert {k: v[:2] for k, v in outs.items()} == {k: v[:2] for k, v in expected(outputs).items()}
+
+
+def test_every_model_in_the_repository_has_an_interface() -> None:
+    models = {p.parent.name for p in REPOSITORY.glob("*/config.pbtxt")}
+    assert models == set(MODEL_INTERFACES)
+
+
+def test_a_drifted_config_is_caught(tmp_path: Path) -> None:
+    """The check above can fail: a renamed or retyped tensor in a config is reported."""
+    text = (REPOSITORY / "worker" / "config.pbtxt").read_text()
+    for old, new in (('"REQUEST"', '"REQUEST_JSON"'), ("TYPE_FP32", "TYPE_FP16")):
+        (tmp_path / "worker").mkdir(exist_ok=True)
+        (tmp_path / "worker" / "config.pbtxt").write_text(text.replace(old, new))
+        drifted = declared("worker", "input", tmp_path), declared("worker", "output", tmp_path)
+        assert drifted != (expected(MODEL_INTERFACES["worker"][0]),
+                           expected(MODEL_INTERFACES["worker"][1]))
+
+
+REQUEST = GenerationRequest(
+    prompt_ids=[1, 2, 3], stream=True, tenant="acme", priority=4, route="disaggregated",
+    params=SamplingParams(max_tokens=5, temperature=0.5, seed=7, end_ids=(2,),
+                          stop_sequences=((4, 5),), return_log_probs=True),
+)
+MESSAGES: list[Message] = [
+    TokenizedRequest(REQUEST),
+    EngineRequest(REQUEST),
+    EngineRequest(REQUEST, "triton_llm_cancel_1_2", 9, b'{"x":1}', 42, -0.5),
+    TokenStep([7], [-0.25], "", 3, 1),
+    TokenStep([], [], "cancelled", 3, 0),
+    PrefillAnswer(11, -1.5, "", b"handle"),
+    ClientChunk("board", 3, [1, 2, 3], 1, [2, 3], "stop", 5, 2, -3.0, []),
+    ClientOutput("Paris. 中国", "length", 5, 2, -1.0, [-0.5, -0.5], [10, 11]),
+]
+
+
+@pytest.mark.parametrize("batched", [False, True])
+@pytest.mark.parametrize("message", MESSAGES, ids=lambda m: type(m).__name__)
+def test_round_trip(message: Message, batched: bool) -> None:
+    arrays = message.encode(batched)
+    assert all(arr.ndim == (2 if batched else 1) for arr in arrays.values())
+    assert type(message).decode(arrays) == message
+
+
+def test_optional_fields_are_left_out_and_required_ones_named() -> None:
+    arrays = EngineRequest(REQUEST).encode(batched=False)
+    assert set(arrays) == {"REQUEST", "CANCEL_TICKET"}
+    with pytest.raises(KeyError, match="OUTPUT_IDS"):
+        TokenStep.decode({"FINISH_REASON": np.array([b""], dtype=np.object_)})
