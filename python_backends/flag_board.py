@@ -38,18 +38,23 @@ def _pid_in(name: str) -> str:
     return name[len(NAME_PREFIX):].split("_")[0]
 
 
+def map_shared(path: Path, size: int, owner: bool) -> mmap.mmap:
+    """Map a shared-memory file of `size` bytes: the owner creates it (zeroed), others open it."""
+    fd = os.open(path, os.O_RDWR | (os.O_CREAT if owner else 0), 0o600)
+    try:
+        if owner:
+            os.ftruncate(fd, size)
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+
+
 class FlagBoard:
     def __init__(self, path: Path, size: int, owner: bool) -> None:
         self.path = path
         self.size = size
         self._owner = owner
-        fd = os.open(path, os.O_RDWR | (os.O_CREAT if owner else 0), 0o600)
-        try:
-            if owner:
-                os.ftruncate(fd, size)
-            self._map = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
+        self._map = map_shared(path, size, owner)
         self._free = list(range(size - 1, -1, -1)) if owner else []
         self._tags = [0] * size if owner else []
         self._lock = threading.Lock()

@@ -170,6 +170,9 @@ class GenerationRequest:
     route: str = "auto"  # front.routing.Route's values, or "auto"
     kv_transport: str = ""  # "" = the prefill instance's default
     kv_fault: str = ""  # front.validation.KV_FAULTS
+    # Prefix-cache isolation: only requests with the same salt share cached KV. The client's
+    # `cache_salt`, else (set by the front) its tenant's.
+    cache_salt: str = ""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -265,6 +268,20 @@ class ClientOutput(Message):
     output_ids: list[int] = _tensor("output_ids", Kind.INTS, variable=True)
 
 
+@dataclass(frozen=True)
+class StoreQuery(Message):
+    """anyone -> kv_store: ask what the node's KV store holds (the text is not read)."""
+
+    query: str = _tensor("QUERY", Kind.TEXT)
+
+
+@dataclass(frozen=True)
+class StoreStatus(Message):
+    """kv_store -> caller: its name, size, use and evictions, as JSON."""
+
+    status: str = _tensor("STATUS", Kind.TEXT)
+
+
 # The ensemble's inputs (the Triton TensorRT-LLM backend's names), all optional in the config;
 # front.validation parses and checks them.
 CLIENT_INPUTS: dict[str, TensorSpec] = {name: TensorSpec(name, kind, optional=True)
@@ -288,6 +305,7 @@ CLIENT_INPUTS: dict[str, TensorSpec] = {name: TensorSpec(name, kind, optional=Tr
     ("exclude_input_in_output", Kind.BOOL),
     ("return_log_probs", Kind.BOOL),
     ("priority", Kind.INT),
+    ("cache_salt", Kind.TEXT),
 )}
 
 # Model name -> (its inputs, its outputs). Prefill takes an EngineRequest without the handoff.
@@ -301,4 +319,5 @@ MODEL_INTERFACES: dict[str, tuple[list[TensorSpec], list[TensorSpec]]] = {
                  if s.name not in ("KV_HANDLE", "FIRST_TOKEN", "FIRST_LOG_PROB")],
                 PrefillAnswer.specs()),
     "postprocessing": (ClientChunk.specs(), ClientOutput.specs()),
+    "kv_store": (StoreQuery.specs(), StoreStatus.specs()),
 }

@@ -83,6 +83,7 @@ class KVHandoff:
                     self._runner.group.import_kv(self._runner.kv_pool, self.pool, blocks)
                 item.seq.block_table = blocks
                 item.seq.num_computed_tokens = item.num_kv_tokens
+                self._scheduler.prefix.cache_computed(item.seq)
             elif blocks is not None:
                 self._blocks.release(blocks)
             self._scheduler.add(item.seq)

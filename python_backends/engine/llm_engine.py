@@ -15,6 +15,7 @@ from python_backends.engine.block_manager import BlockManager
 from python_backends.engine.kv_handoff import KVHandoff
 from python_backends.engine.loader import kv_layout, load_model
 from python_backends.engine.model_runner import rank_runner
+from python_backends.engine.prefix_cache import KVTier, PrefixCache
 from python_backends.engine.ranks import RankGroup
 from python_backends.engine.sampler import SampleResult, sample
 from python_backends.engine.scheduler import Scheduler, SchedulerOutput
@@ -25,6 +26,9 @@ from python_backends.models.llama import LlamaForCausalLM
 from python_backends.parallel.context import ParallelContext
 from python_backends.parallel.placement import Placement
 from python_backends.params import FinishReason, SamplingParams
+
+# Makes the KV store tier behind an engine's pool, given the pool and its (whole-model) layout.
+TierFactory = Callable[[torch.Tensor, KVLayout], KVTier]
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,12 @@ class EngineStats:
     busy_seconds: float  # since start: time spent in steps that computed something
     running_by_priority: dict[int, int]
     waiting_by_priority: dict[int, int]
+    prefix_cache_queries: int = 0  # since start: tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # since start: of those, found (in the pool or the KV store)
+    kv_store_hits: int = 0  # since start: blocks read from the KV store
+    kv_store_misses: int = 0  # since start: blocks the store listed but could not give
+    kv_store_read_bytes: int = 0
+    kv_store_written_bytes: int = 0
     ranks_alive: int = 1  # of the engine's parallel group; fewer than ranks_total: unhealthy
     ranks_total: int = 1
     devices: tuple[str, ...] = ("cpu",)  # rank r's device
@@ -70,20 +80,27 @@ class LLMEngine:
         self, config: EngineConfig, model: LlamaForCausalLM, num_kv_blocks: int,
         enable_chunked_prefill: bool = True, waiting: WaitingQueue | None = None,
         kv_pool: torch.Tensor | None = None, group: RankGroup | None = None,
+        enable_prefix_caching: bool = True, kv_tier: TierFactory | None = None,
     ) -> None:
         """`model`: rank 0's. `kv_pool`: the pool KV transports see (see KVHandoff), a tensor of
         the whole-model layout. `group`: ranks 1..N-1 of a multi-rank engine, closed by
-        `close`."""
+        `close`. `kv_tier`: makes the KV store tier behind the prefix cache from the pool and
+        its layout (single-rank engines only: a multi-rank pool is split across processes)."""
         self.config = config
         self.device = model.ctx.device
         self.devices = group.devices if group is not None else [self.device]  # rank r's
-        self.blocks = BlockManager(num_kv_blocks, config.limits.block_size)
-        self.scheduler = Scheduler(config.limits, self.blocks, enable_chunked_prefill, waiting)
         whole = kv_layout(config, num_kv_blocks, whole=True)
         if kv_pool is not None and kv_pool.shape != whole.shape:
             raise ValueError(f"KV pool shape {tuple(kv_pool.shape)} != {whole.shape}")
         self.runner = rank_runner(config, model, num_kv_blocks,
                                   kv_pool if group is None else None, group)
+        self.tier = (kv_tier(self.runner.kv_pool, whole)
+                     if kv_tier is not None and group is None else None)
+        self.blocks = BlockManager(num_kv_blocks, config.limits.block_size,
+                                   self.tier.write if self.tier is not None else None)
+        self.prefix = PrefixCache(self.blocks, enable_prefix_caching, self.tier)
+        self.scheduler = Scheduler(config.limits, self.blocks, enable_chunked_prefill, waiting,
+                                   self.prefix)
         self.handoff = KVHandoff(whole, self.runner, self.blocks, self.scheduler, kv_pool)
         self.busy_seconds = 0.0
 
@@ -92,10 +109,12 @@ class LLMEngine:
         cls, engine_dir: str | Path, num_kv_blocks: int, enable_chunked_prefill: bool = True,
         waiting: WaitingQueue | None = None,
         kv_pool: Callable[[KVLayout, torch.device], torch.Tensor] | None = None,
-        placement: Placement | None = None,
+        placement: Placement | None = None, enable_prefix_caching: bool = True,
+        kv_tier: TierFactory | None = None,
     ) -> LLMEngine:
         """`kv_pool`: makes the pool for the engine's layout on rank 0's device (default: plain
-        memory there). `placement`: where the instance's ranks compute (default: the CPU)."""
+        memory there). `placement`: where the instance's ranks compute (default: the CPU).
+        The rest as in `__init__`."""
         config = EngineConfig.load(engine_dir)
         devices = (placement or Placement()).devices(config.parallel.world_size)
         group = None
@@ -108,16 +127,19 @@ class LLMEngine:
                 group.wait_ready()
             whole = kv_layout(config, num_kv_blocks, whole=True)
             pool = kv_pool(whole, devices[0]) if kv_pool is not None else None
-            return cls(config, model, num_kv_blocks, enable_chunked_prefill, waiting, pool, group)
+            return cls(config, model, num_kv_blocks, enable_chunked_prefill, waiting, pool, group,
+                       enable_prefix_caching, kv_tier)
         except BaseException:
             if group is not None:
                 group.close()
             raise
 
     def close(self) -> None:
-        """Stop the engine's other ranks, if any (idempotent)."""
+        """Stop the engine's other ranks, if any, and let go of the KV store (idempotent)."""
         if self.runner.group is not None:
             self.runner.group.close()
+        if self.tier is not None:
+            self.tier.close()
 
     def add(self, seq: Sequence) -> None:
         """Queue a sequence; a ValueError if it can never fit."""
@@ -203,6 +225,12 @@ class LLMEngine:
             busy_seconds=self.busy_seconds,
             running_by_priority=dict(Counter(s.priority for s in self.scheduler.running)),
             waiting_by_priority=dict(Counter(s.priority for s in self.scheduler.waiting)),
+            prefix_cache_queries=self.prefix.num_queries,
+            prefix_cache_hits=self.prefix.num_hits,
+            kv_store_hits=self.prefix.num_tier_hits,
+            kv_store_misses=self.prefix.num_tier_misses,
+            kv_store_read_bytes=self.tier.bytes_read if self.tier else 0,
+            kv_store_written_bytes=self.tier.bytes_written if self.tier else 0,
             ranks_alive=self.runner.group.ranks_alive if self.runner.group else 1,
             ranks_total=self.config.parallel.world_size,
             devices=tuple(str(d) for d in self.devices),

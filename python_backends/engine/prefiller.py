@@ -38,6 +38,7 @@ class PrefillJob:
     fault: str = ""  # python_backends.front.validation.KV_FAULTS
     priority: int = 0
     tenant: str = "default"
+    cache_salt: str = ""  # see Sequence.cache_salt
     # Polled between steps: True aborts the prompt (its done gets "prefill cancelled").
     is_cancelled: Callable[[], bool] = lambda: False
 
@@ -111,7 +112,8 @@ class Prefiller(EngineListener):
         seq_id = uuid.uuid4().hex
         self._submitted[seq_id] = _Submitted(job, done, time.monotonic())
         self.loop.submit(Sequence(seq_id, list(job.prompt_ids), job.params,
-                                  priority=job.priority, tenant=job.tenant, prefill_only=True))
+                                  priority=job.priority, tenant=job.tenant, prefill_only=True,
+                                  cache_salt=job.cache_salt))
 
     def prefill(self, jobs: list[PrefillJob], timeout: float = 600.0,
                 ) -> list[PrefillResult | Exception]:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from python_backends.config import EngineLimits
 from python_backends.engine.block_manager import BlockManager
+from python_backends.engine.prefix_cache import PrefixCache
 from python_backends.engine.sampler import SampleResult
 from python_backends.engine.sequence import Sequence, SequenceStatus
 from python_backends.engine.waiting_queue import FcfsQueue, WaitingQueue
@@ -52,10 +53,12 @@ class RequestTooLarge(ValueError):
 class Scheduler:
     def __init__(
         self, limits: EngineLimits, blocks: BlockManager, enable_chunked_prefill: bool = True,
-        waiting: WaitingQueue | None = None,
+        waiting: WaitingQueue | None = None, prefix: PrefixCache | None = None,
     ) -> None:
+        """`prefix`: the prefix cache over `blocks` (default: one that is off)."""
         self.limits = limits
         self.blocks = blocks
+        self.prefix = prefix if prefix is not None else PrefixCache(blocks, enabled=False)
         self.enable_chunked_prefill = enable_chunked_prefill
         self.waiting: WaitingQueue = waiting if waiting is not None else FcfsQueue()
         self.running: list[Sequence] = []
@@ -122,15 +125,20 @@ class Scheduler:
                 head = self.waiting.peek()
                 if head is None:
                     break
-                n = min(head.num_uncomputed_tokens, budget)
-                chunked = n < head.num_uncomputed_tokens
+                match = self.prefix.match(head)  # empty for a sequence with KV already
+                start = head.num_computed_tokens + match.num_blocks * self.blocks.block_size
+                n = min(head.num_tokens - start, budget)
+                chunked = n < head.num_tokens - start
                 if chunked and scheduled and not self.enable_chunked_prefill:
                     break
-                need = self._blocks_needed(head, n)
-                if not self.blocks.can_allocate(need):
+                need = (self.blocks.blocks_for(start + n) - len(head.block_table)
+                        - len(match.local))
+                if not self.blocks.can_allocate(need + self.prefix.reused_free(match)):
                     break
                 self.waiting.pop()
-                head.block_table.extend(self.blocks.allocate(need))
+                self.prefix.take(head, match)
+                n = min(head.num_uncomputed_tokens, n)  # fewer if a store read failed
+                head.block_table.extend(self.blocks.allocate(self._blocks_needed(head, n)))
                 head.status = SequenceStatus.RUNNING
                 if head.queue_time is None:
                     head.queue_time = time.monotonic() - head.arrival_time
@@ -178,6 +186,7 @@ class Scheduler:
             self.num_prompt_tokens_computed += max(
                 0, min(seq.num_computed_tokens, seq.num_prompt_tokens) - before
             )
+            self.prefix.cache_computed(seq)
             if not samples:
                 continue
             seq.output_ids.append(result.token_ids[i])
@@ -201,13 +210,15 @@ class Scheduler:
         return max(0, total - len(seq.block_table))
 
     def _preempt(self, seq: Sequence) -> None:
-        self.blocks.release(seq.block_table)
+        # Last block first: the prefix is evicted last, so the sequence's return hits it.
+        self.blocks.release(seq.block_table[::-1])
         seq.block_table = []
         seq.num_computed_tokens = 0
+        seq.num_cached_blocks = 0
         seq.status = SequenceStatus.WAITING
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
-        self.blocks.release(seq.block_table)
+        self.blocks.release(seq.block_table[::-1])
         seq.block_table = []
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from python_backends.engine.block_manager import BlockHash, block_hash
 from python_backends.params import FinishReason, SamplingParams
 
 
@@ -43,6 +44,11 @@ class Sequence:
     # A prefill instance's sequence: after its first token it leaves the batch keeping its KV
     # blocks (finish_reason None), which the instance then leases to a decode instance.
     prefill_only: bool = False
+    # Prefix caching: only sequences with the same salt share blocks (a tenant, or the request's
+    # cache_salt). `num_cached_blocks`: leading blocks of block_table already in the cache.
+    cache_salt: str = ""
+    num_cached_blocks: int = 0
+    _block_hashes: list[BlockHash] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:
@@ -78,6 +84,24 @@ class Sequence:
 
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Token ids at positions [start, end) (prompt, then output)."""
+        p = len(self.prompt_ids)
+        if end <= p:
+            return self.prompt_ids[start:end]
+        if start >= p:
+            return self.output_ids[start - p:end - p]
+        return self.prompt_ids[start:] + self.output_ids[:end - p]
+
+    def block_hashes(self, block_size: int, num_blocks: int) -> list[BlockHash]:
+        """The chained hashes of the first `num_blocks` full blocks (computed once each)."""
+        hashes = self._block_hashes
+        for i in range(len(hashes), num_blocks):
+            parent = hashes[i - 1] if i else None
+            hashes.append(block_hash(parent, self.tokens(i * block_size, (i + 1) * block_size),
+                                     self.cache_salt))
+        return hashes[:num_blocks]
 
     def token_at(self, index: int) -> int:
         p = len(self.prompt_ids)

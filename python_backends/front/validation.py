@@ -45,6 +45,7 @@ TRITON_PARAMETER_PREFIX = "triton_"
 # /generate body), or as gRPC metadata x-tenant, which the launcher has Triton forward.
 TENANT_PARAMETERS = ("tenant", "x-tenant")
 MAX_TENANT_LEN = 64
+MAX_CACHE_SALT_LEN = 256
 # Routing parameters for operators, drills and tests. `route`: "auto" lets the front choose
 # (disaggregate long prompts while the prefill group has room), "aggregated" and
 # "disaggregated" force a path. `kv_transport` picks the handoff transport. `kv_fault` injects a
@@ -125,6 +126,7 @@ def parse_request(
         exclude_input_in_output=v.get("exclude_input_in_output", False),
         tenant=_tenant(parameters),
         priority=_priority(v, parameters),
+        cache_salt=_cache_salt(inputs, parameters),
         **{name: _choice(name, parameters, choices) for name, choices in
            ROUTING_PARAMETERS.items() if name in parameters},
     )
@@ -135,7 +137,8 @@ def _check_names(inputs: Mapping[str, np.ndarray], parameters: Mapping[str, Any]
     if unknown:
         raise InvalidRequest(unknown[0], f"unknown input; known inputs: {sorted(KNOWN_INPUTS)}")
     for name in sorted(parameters):
-        if name in TENANT_PARAMETERS or name == "priority" or name in ROUTING_PARAMETERS:
+        if name in TENANT_PARAMETERS or name in ("priority", "cache_salt") or (
+                name in ROUTING_PARAMETERS):
             continue
         if name not in TRITON_PARAMETERS and not name.startswith(TRITON_PARAMETER_PREFIX):
             raise InvalidRequest(
@@ -232,6 +235,26 @@ def _priority(values: Mapping[str, Any], parameters: Mapping[str, Any]) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_PRIORITY:
         raise InvalidRequest("priority", f"must be an integer 0-{MAX_PRIORITY}, got {value!r}")
     return value
+
+
+def _cache_salt(inputs: Mapping[str, np.ndarray], parameters: Mapping[str, Any]) -> str:
+    """The `cache_salt` input, else request parameter (a top-level `/generate` key); "" if
+    neither: the front salts by tenant then."""
+    if "cache_salt" in inputs:
+        arr = inputs["cache_salt"]
+        if arr.size != 1:
+            raise InvalidRequest("cache_salt", f"expected one value, got {arr.size}")
+        value: Any = _text("cache_salt", arr.reshape(-1)[0])
+    else:
+        value = parameters.get("cache_salt", "")
+        if "cache_salt" in parameters and not isinstance(value, str):
+            raise InvalidRequest("cache_salt",
+                                 f"expected a string, got {type(value).__name__}")
+    given = "cache_salt" in inputs or "cache_salt" in parameters
+    if given and (not value or len(value) > MAX_CACHE_SALT_LEN or not value.isprintable()):
+        raise InvalidRequest(
+            "cache_salt", f"must be a printable string of 1-{MAX_CACHE_SALT_LEN} characters")
+    return str(value)
 
 
 def _tenant(parameters: Mapping[str, Any]) -> str:

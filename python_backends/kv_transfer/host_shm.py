@@ -41,8 +41,12 @@ class SharedPool:
         self.tensor = allocate_pool(layout, self._map)
 
     @classmethod
-    def create(cls, layout: KVLayout) -> SharedPool:
-        return cls(SHM_DIR / f"{NAME_PREFIX}{os.getpid()}_{uuid.uuid4().hex[:8]}", layout, True)
+    def create(cls, layout: KVLayout, name: str | None = None) -> SharedPool:
+        """A new pool; `name` (default: unique to this process) must start with NAME_PREFIX."""
+        name = name or f"{NAME_PREFIX}{os.getpid()}_{uuid.uuid4().hex[:8]}"
+        if not name.startswith(NAME_PREFIX):
+            raise ValueError(f"a KV pool's name starts with {NAME_PREFIX}: {name!r}")
+        return cls(SHM_DIR / name, layout, True)
 
     @classmethod
     def attach(cls, name: str, layout: KVLayout) -> SharedPool:

@@ -29,6 +29,7 @@ from python_backends.front.admission import (
 )
 from python_backends.front.routing import Route, Router, RoutingPolicy
 from python_backends.front.stream import RequestStream
+from python_backends.front.tenancy import CacheSharing
 from python_backends.front.validation import InvalidRequest
 from python_backends.kv_transfer.base import KVHandle, abandon
 from python_backends.serving.bls import BLSStreams
@@ -118,6 +119,7 @@ class FrontModel:
         except ValueError as e:
             raise pb_utils.TritonModelException(f"front: bad rate_limits: {e}") from None
         self.rate_limiter = RateLimiter(limits)
+        self.cache_sharing = CacheSharing.parse(margs.param("prefix_cache_shared_tenants"))
         self.pool = ThreadPoolExecutor(
             max_workers=margs.int_param("max_concurrent_requests", 1024),
             thread_name_prefix="request",
@@ -146,6 +148,8 @@ class FrontModel:
                         flags=FINAL)
 
     def _serve_one(self, sender: Any, req: GenerationRequest) -> None:
+        req = dataclasses.replace(req, cache_salt=self.cache_sharing.salt(req.tenant,
+                                                                          req.cache_salt))
         prompt_tokens = len(req.prompt_ids)
         try:
             self.rate_limiter.check(req.tenant, prompt_tokens + req.params.max_tokens)

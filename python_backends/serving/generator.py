@@ -36,6 +36,7 @@ from python_backends.serving.common import (
     kv_transports,
     response,
 )
+from python_backends.serving.engine_options import prefix_caching
 from python_backends.serving.metrics import EngineMetrics, KVTransferMetrics
 from python_backends.serving.outbox import Outbox, caller_gone, caller_lane
 from python_backends.wire import TokenStep
@@ -83,6 +84,7 @@ class GeneratorModel(EngineListener):
             enable_chunked_prefill=margs.param("enable_chunked_prefill", "true") == "true",
             waiting=PriorityFairQueue(weights),
             placement=margs.placement,
+            **prefix_caching(margs),
         )
         self.metrics = EngineMetrics(margs.model_name, margs.instance_name)
         self._callers: dict[str, _Caller] = {}
@@ -113,7 +115,7 @@ class GeneratorModel(EngineListener):
             self._callers[seq_id] = _Caller(call.sender, len(req.prompt_ids), call.board,
                                             call.ticket)
             seq = Sequence(seq_id, list(req.prompt_ids), req.params, priority=req.priority,
-                           tenant=req.tenant)
+                           tenant=req.tenant, cache_salt=req.cache_salt)
             if handle is not None:
                 seq.continue_from(msg.first_token or 0, msg.first_log_prob or 0.0)
                 self.loop.submit_import(seq, handle.num_tokens, partial(self._fetch, handle))

@@ -17,11 +17,31 @@ from python_backends.wire import DEFAULT_TENANT
 
 if TYPE_CHECKING:  # the front's stub loads this module and needs no torch
     from python_backends.engine.llm_engine import EngineStats, LLMEngine, TokenEvent
+    from python_backends.kv_store.host_store import StoreStats
 
 FINISH_REASONS = ("stop", "length")
 ROUTES = ("aggregated", "disaggregated", "disaggregated_fallback")
 
 PUBLISH_INTERVAL_S = 0.05
+# Counters published from an engine's running totals (EngineStats field, name, help).
+ENGINE_TOTALS = (
+    ("num_prompt_tokens_computed", "llm_prompt_tokens_computed_total",
+     "Prompt positions this instance computed (prefill work, including recomputes)"),
+    ("busy_seconds", "llm_engine_busy_seconds_total",
+     "Time the engine spent computing steps (1 - its rate is the idle fraction)"),
+    ("num_preemptions", "llm_num_preemptions_total", "Sequences preempted (recomputed later)"),
+    ("prefix_cache_queries", "llm_prefix_cache_queries_total",
+     "Tokens looked up in the prefix cache when a sequence starts"),
+    ("prefix_cache_hits", "llm_prefix_cache_hits_total",
+     "Of those, tokens whose KV was found (in the pool or the KV store): not computed"),
+    ("kv_store_hits", "llm_kv_store_hits_total",
+     "Blocks read from the node's KV store after a miss in the instance's own pool"),
+    ("kv_store_misses", "llm_kv_store_misses_total",
+     "Blocks the KV store listed but could not give (overwritten meanwhile): computed"),
+    ("kv_store_read_bytes", "llm_kv_store_read_bytes_total", "Bytes read from the KV store"),
+    ("kv_store_written_bytes", "llm_kv_store_written_bytes_total",
+     "Bytes written to the KV store"),
+)
 LATENCY_BUCKETS = [
     0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
     20.0, 40.0,
@@ -47,28 +67,13 @@ class EngineMetrics:
         self.waiting = _metric(
             "llm_num_requests_waiting", "Sequences waiting to join the running batch", g, labels
         )
-        self.prompt_tokens_computed = _metric(
-            "llm_prompt_tokens_computed_total",
-            "Prompt positions this instance computed (prefill work, including recomputes)",
-            pb_utils.MetricFamily.COUNTER, labels,
-        )
-        self._prompt_tokens_published = 0
-        self.busy = _metric(
-            "llm_engine_busy_seconds_total",
-            "Time the engine spent computing steps (1 - its rate is the idle fraction)",
-            pb_utils.MetricFamily.COUNTER, labels,
-        )
-        self._busy_published = 0.0
         self.healthy = _metric(
             "llm_engine_healthy",
             "1 while every rank of the instance's engine runs, 0 once one died (reload it)",
             g, labels,
         )
-        self.preemptions = _metric(
-            "llm_num_preemptions_total", "Sequences preempted (recomputed later)",
-            pb_utils.MetricFamily.COUNTER, labels,
-        )
-        self._preemptions_published = 0
+        self._totals = {field: _Total(_metric(name, doc, pb_utils.MetricFamily.COUNTER, labels))
+                        for field, name, doc in ENGINE_TOTALS}
         self._declare_latencies(labels)
         self._labels = labels
         self._placement: dict[str, Metric] = {}  # by device
@@ -91,13 +96,6 @@ class EngineMetrics:
             "A sequence's first token (or arrival, when handed off) to its last on this instance",
             pb_utils.MetricFamily.HISTOGRAM, labels, LATENCY_BUCKETS,
         )
-        # Prefix caching is not built yet: the counters exist (at 0) so dashboards and the
-        # autoscaler need no change when it is.
-        for name, doc in (("llm_prefix_cache_queries_total", "Prompt tokens looked up in the "
-                           "prefix cache"),
-                          ("llm_prefix_cache_hits_total", "Prompt tokens found in the prefix "
-                           "cache")):
-            _metric(name, doc, pb_utils.MetricFamily.COUNTER, labels)
 
     def observe(self, ev: TokenEvent) -> None:
         """A token event's latencies (loop thread)."""
@@ -158,17 +156,44 @@ class EngineMetrics:
                     "llm_engine_ranks", "Ranks of the instance's engine on each device",
                     pb_utils.MetricFamily.GAUGE, {**self._labels, "device": device})
             self._placement[device].set(n)
-        if stats.busy_seconds > self._busy_published:
-            self.busy.increment(stats.busy_seconds - self._busy_published)
-            self._busy_published = stats.busy_seconds
-        if stats.num_prompt_tokens_computed > self._prompt_tokens_published:
-            self.prompt_tokens_computed.increment(
-                stats.num_prompt_tokens_computed - self._prompt_tokens_published
-            )
-            self._prompt_tokens_published = stats.num_prompt_tokens_computed
-        if stats.num_preemptions > self._preemptions_published:
-            self.preemptions.increment(stats.num_preemptions - self._preemptions_published)
-            self._preemptions_published = stats.num_preemptions
+        for field, total in self._totals.items():
+            total.publish(getattr(stats, field))
+
+
+class _Total:
+    """A counter published from a running total the engine keeps: it grows by the total's
+    growth since the last publish."""
+
+    def __init__(self, metric: Metric) -> None:
+        self.metric = metric
+        self.published = 0.0
+
+    def publish(self, total: float) -> None:
+        if total > self.published:
+            self.metric.increment(total - self.published)
+            self.published = total
+
+
+class KVStoreMetrics:
+    """The node's KV store, as its owner (the kv_store model) sees it."""
+
+    def __init__(self, model: str) -> None:
+        labels = {"model": model}
+        g = pb_utils.MetricFamily.GAUGE
+        self.blocks = _metric("llm_kv_store_blocks_total", "Blocks the KV store can hold", g,
+                              labels)
+        self.used = _metric("llm_kv_store_blocks_used", "Blocks the KV store holds", g, labels)
+        self.usage = _metric("llm_kv_store_usage_ratio", "Fraction of the KV store in use (0-1)",
+                             g, labels)
+        self.evictions = _Total(_metric(
+            "llm_kv_store_evictions_total", "Entries the KV store dropped to make room",
+            pb_utils.MetricFamily.COUNTER, labels))
+
+    def publish(self, stats: StoreStats) -> None:
+        self.blocks.set(stats.num_slots)
+        self.used.set(stats.num_ready)
+        self.usage.set(stats.usage)
+        self.evictions.publish(stats.num_evictions)
 
 
 TRANSFER_BUCKETS = [

@@ -27,6 +27,7 @@ from python_backends.serving.common import (
     kv_transports,
     response,
 )
+from python_backends.serving.engine_options import prefix_caching
 from python_backends.serving.metrics import EngineMetrics, KVTransferMetrics
 from python_backends.serving.outbox import Outbox, caller_gone, caller_lane
 from python_backends.wire import PrefillAnswer
@@ -63,7 +64,7 @@ class PrefillModel:
 
         engine = LLMEngine.from_engine_dir(
             margs.engine_dir(), num_kv_blocks=margs.int_param("kv_cache_blocks", 512),
-            kv_pool=pool, placement=margs.placement,
+            kv_pool=pool, placement=margs.placement, **prefix_caching(margs),
         )
         try:
             sources = make_sources(transports, engine.handoff.pool, margs.model_name,
@@ -91,7 +92,7 @@ class PrefillModel:
         for call in engine_calls(requests, self._boards, "prefill"):
             req = call.message.request
             job = PrefillJob(req.prompt_ids, req.params, req.kv_transport, req.kv_fault,
-                             req.priority, req.tenant,
+                             req.priority, req.tenant, req.cache_salt,
                              partial(_cancelled, call.board, call.ticket))
             self.prefiller.submit(job, partial(self._done, call.sender, call.board))
         return None

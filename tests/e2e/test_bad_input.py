@@ -24,6 +24,8 @@ HTTP_CASES: list[tuple[dict[str, object], str]] = [
     ({"text_input": "hi", "max_tokens": 8, "top_p": 1.5}, "top_p"),
     ({"text_input": "hi", "max_tokens": 8, "top_k": -1}, "top_k"),
     ({"text_input": "hi", "max_tokens": 8, "priority": 12}, "priority"),
+    ({"text_input": "hi", "max_tokens": 8, "cache_salt": ""}, "cache_salt"),
+    ({"text_input": "hi", "max_tokens": 8, "cache_salt": "x" * 300}, "cache_salt"),
     ({"text_input": "word " * 3000, "max_tokens": 8}, "text_input"),  # longer than the context
 ]
 

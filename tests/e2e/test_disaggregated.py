@@ -4,6 +4,7 @@ stub processes, the KV cache crossing between them over NIXL and host shared mem
 from __future__ import annotations
 
 import math
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -58,7 +59,8 @@ def test_kv_crosses_processes_and_decode_computes_no_prompt(
     prompt = PROMPTS[4]
     n_prompt = len(reference.tokenizer(prompt)["input_ids"])
     before = server.metrics()
-    out = server.client.generate(prompt, route="disaggregated", kv_transport=transport, **GREEDY)
+    out = server.client.generate(prompt, route="disaggregated", kv_transport=transport,
+                                 cache_salt=uuid.uuid4().hex, **GREEDY)  # a cold prefix cache
     assert as_list(out["output_ids"]) == reference.outputs[prompt]
     after = server.metrics()
 
@@ -87,7 +89,7 @@ def test_failed_handoff_recomputes_correctly(
     n_prompt = len(reference.tokenizer(prompt)["input_ids"])
     before = server.metrics()
     out = server.client.stream_collect(prompt, route="disaggregated", kv_transport=transport,
-                                       kv_fault=fault, **GREEDY)
+                                       kv_fault=fault, cache_salt=uuid.uuid4().hex, **GREEDY)
     assert out.output_ids == reference.outputs[prompt]
     assert server.wait_idle() == 0  # every group: worker, prefill (lease freed) and decode
     after = server.metrics()

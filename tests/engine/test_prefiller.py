@@ -65,9 +65,10 @@ def _params() -> SamplingParams:
 
 def _continue(
     engine: LLMEngine, sinks: dict[str, KVSink], results: list[PrefillResult],
-    batch: list[list[int]],
+    batch: list[list[int]], salt: str = "",
 ) -> tuple[dict[str, list[int]], list[str]]:
-    """Hand each result to the decode engine and run it to completion."""
+    """Hand each result to the decode engine and run it to completion (`salt`: the sequences'
+    prefix-cache salt)."""
     outputs: dict[str, list[int]] = {}
     failures: list[str] = []
 
@@ -86,7 +87,7 @@ def _continue(
     for i, (res, prompt) in enumerate(zip(results, batch, strict=True)):
         assert res.handle is not None and res.finish_reason is None
         outputs[f"s{i}"] = [res.token_id]
-        seq = Sequence(f"s{i}", prompt, _params())
+        seq = Sequence(f"s{i}", prompt, _params(), cache_salt=salt)
         seq.continue_from(res.token_id, res.logprob)
         engine.handoff.add(seq, res.handle.num_tokens, fetcher(res.handle))
     while engine.has_unfinished:
@@ -131,7 +132,9 @@ def test_failed_handoff_recomputes(
     expired_before = prefill.num_expired
     results = prefill.prefill([PrefillJob(p, _params(), transport, fault) for p in batch])
     before = engine.stats().num_prompt_tokens_computed
-    outputs, failures = _continue(engine, sinks, results, batch)  # type: ignore[arg-type]
+    # A salt of its own: decode recomputes with a cold cache, whatever earlier cases computed.
+    outputs, failures = _continue(engine, sinks, results, batch,  # type: ignore[arg-type]
+                                  salt=f"{transport}-{fault}")
     assert failures == [{"transfer_error": "error", "expire_lease": "expired"}[fault]] * 2
     assert engine.stats().num_prompt_tokens_computed - before == sum(map(len, batch))
     for i, prompt in enumerate(batch):

@@ -105,3 +105,19 @@ def test_unknown_parameters_are_refused_but_triton_ones_pass() -> None:
     with pytest.raises(InvalidRequest) as e:
         parse({"max_token": 5}, text_input=text("x"))
     assert e.value.field == "max_token"
+
+
+def test_cache_salt_from_input_or_parameter() -> None:
+    assert parse(text_input=text("x")).cache_salt == ""  # the front salts by tenant
+    assert parse({"cache_salt": "s1"}, text_input=text("x")).cache_salt == "s1"
+    salted = parse(text_input=text("x"), cache_salt=np.array([[b"s2"]], dtype=np.object_))
+    assert salted.cache_salt == "s2"
+    cases: list[tuple[dict[str, object], dict[str, np.ndarray]]] = [
+        ({"cache_salt": ""}, {}), ({"cache_salt": 7}, {}),
+        ({"cache_salt": "a\nb"}, {}),
+        ({}, {"cache_salt": np.array([[b"\xff"]], dtype=np.object_)}),
+    ]
+    for params, inputs in cases:
+        with pytest.raises(InvalidRequest) as e:
+            parse(params, text_input=text("x"), **inputs)
+        assert e.value.field == "cache_salt"

@@ -1,0 +1,3 @@
+from python_backends.serving.kv_store import KVStoreModel as TritonPythonModel
+
+__all__ = ["TritonPythonModel"]

@@ -1,0 +1,26 @@
+"""Options of the engine models (worker, decode, prefill) that need torch: kept out of
+serving.common, which the front's torch-free stub imports."""
+
+from __future__ import annotations
+
+import os
+from functools import partial
+from typing import Any
+
+from python_backends.kv_store.host_store import find_store
+from python_backends.kv_store.tier import StoreTier
+from python_backends.kv_transfer.layout import KVLayout
+from python_backends.serving.common import ModelArgs
+
+
+def prefix_caching(margs: ModelArgs) -> dict[str, Any]:
+    """The engine models' prefix-caching options: `enable_prefix_caching` (true) and `kv_store`
+    (auto: use the server's kv_store model when it runs; off), as LLMEngine arguments."""
+    enabled = margs.param("enable_prefix_caching", "true") == "true"
+    use_store = enabled and margs.param("kv_store", "auto") == "auto"
+    server = os.getppid()  # every stub's parent is the server
+
+    def tier(pool: Any, layout: KVLayout) -> StoreTier:
+        return StoreTier(partial(find_store, server), pool, layout)
+
+    return {"enable_prefix_caching": enabled, "kv_tier": tier if use_store else None}
