@@ -136,8 +136,7 @@ class Scheduler:
                 if not self.blocks.can_allocate(need + self.prefix.reused_free(match)):
                     break
                 self.waiting.pop()
-                self.prefix.take(head, match)
-                n = min(head.num_uncomputed_tokens, n)  # fewer if a store read failed
+                self.prefix.take(head, match)  # a failed store read leaves more to compute
                 head.block_table.extend(self.blocks.allocate(self._blocks_needed(head, n)))
                 head.status = SequenceStatus.RUNNING
                 if head.queue_time is None:
