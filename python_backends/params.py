@@ -11,6 +11,7 @@ class FinishReason(enum.Enum):
     STOP = "stop"  # end id or a stop sequence
     LENGTH = "length"  # max_tokens or the engine's max_seq_len
     CANCELLED = "cancelled"  # the client went away
+    ERROR = "error"  # the engine failed the sequence (the front answers with the error)
 
 
 @dataclass(frozen=True)

@@ -170,6 +170,7 @@ class GenerationRequest:
     route: str = "auto"  # front.routing.Route's values, or "auto"
     kv_transport: str = ""  # "" = the prefill instance's default
     kv_fault: str = ""  # front.validation.KV_FAULTS
+    engine_fault: str = ""  # front.validation.ENGINE_FAULTS
     # Prefix-cache isolation: only requests with the same salt share cached KV. The client's
     # `cache_salt`, else (set by the front) its tenant's.
     cache_salt: str = ""
@@ -214,16 +215,28 @@ class EngineRequest(Message):
     first_log_prob: float | None = _tensor("FIRST_LOG_PROB", Kind.FLOAT, None)
 
 
+class ErrorKind(enum.Enum):
+    """Why an engine could not finish a request; the front answers the client accordingly."""
+
+    INVALID = "invalid"  # the request can never be served here (too large): the client's
+    UNAVAILABLE = "unavailable"  # the instance is going away: retry
+    INTERNAL = "internal"  # the engine failed
+
+
 @dataclass(frozen=True)
 class TokenStep(Message):
     """worker or decode -> front: one step's new token of one sequence (none in a final
-    "cancelled" answer)."""
+    "cancelled" or "error" answer). An engine's error travels here, as data in a final step,
+    never as a Triton error: a decoupled BLS call never receives an error response that is not
+    its first (docs/platform.md)."""
 
     output_ids: list[int] = _tensor("OUTPUT_IDS", Kind.INTS)
     output_log_probs: list[float] = _tensor("OUTPUT_LOG_PROBS", Kind.FLOATS)
     finish_reason: str = _tensor("FINISH_REASON", Kind.TEXT)  # "" until the last step
     num_input_tokens: int = _tensor("NUM_INPUT_TOKENS", Kind.INT)
     num_output_tokens: int = _tensor("NUM_OUTPUT_TOKENS", Kind.INT)
+    error: str = _tensor("ERROR", Kind.TEXT, "")  # the message, with finish reason "error"
+    error_kind: str = _tensor("ERROR_KIND", Kind.TEXT, "")  # an ErrorKind value
 
 
 @dataclass(frozen=True)

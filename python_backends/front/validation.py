@@ -50,11 +50,15 @@ MAX_CACHE_SALT_LEN = 256
 # (disaggregate long prompts while the prefill group has room), "aggregated" and
 # "disaggregated" force a path. `kv_transport` picks the handoff transport. `kv_fault` injects a
 # handoff failure: "transfer_error" (the pull fails) or "expire_lease" (the lease is already over
-# when the decode instance pulls); either way decode recomputes the prompt.
+# when the decode instance pulls); either way decode recomputes the prompt. `engine_fault`
+# "error_after_first_token" makes the worker or decode instance fail the sequence right after its
+# first token (error handling drills).
 ROUTES = ("auto", "aggregated", "disaggregated")
 KV_TRANSPORTS = TRANSPORTS
 KV_FAULTS = ("transfer_error", "expire_lease")
-ROUTING_PARAMETERS = {"route": ROUTES, "kv_transport": KV_TRANSPORTS, "kv_fault": KV_FAULTS}
+ENGINE_FAULTS = ("error_after_first_token",)
+ROUTING_PARAMETERS = {"route": ROUTES, "kv_transport": KV_TRANSPORTS, "kv_fault": KV_FAULTS,
+                      "engine_fault": ENGINE_FAULTS}
 
 # (text, add_special_tokens) -> token ids
 Tokenize = Callable[[str, bool], list[int]]

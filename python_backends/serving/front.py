@@ -45,6 +45,7 @@ from python_backends.serving.common import (
 from python_backends.serving.metrics import AdmissionMetrics, RequestMetrics
 from python_backends.wire import (
     EngineRequest,
+    ErrorKind,
     GenerationRequest,
     PrefillAnswer,
     TokenizedRequest,
@@ -52,6 +53,16 @@ from python_backends.wire import (
 )
 
 log = logging.getLogger(__name__)
+
+
+def error_code(kind: str) -> Any:
+    """The Triton error code for an engine error of this ErrorKind (looked up at call time: the
+    stub's pb_utils has no TritonError while it imports the model)."""
+    return {
+        ErrorKind.INVALID: pb_utils.TritonError.INVALID_ARG,
+        ErrorKind.UNAVAILABLE: pb_utils.TritonError.UNAVAILABLE,
+        ErrorKind.INTERNAL: pb_utils.TritonError.INTERNAL,
+    }[ErrorKind(kind)]
 
 
 class ClientLink:
@@ -64,6 +75,7 @@ class ClientLink:
         self.board = board
         self.ticket = ticket
         self.cancelled = False
+        self.failed = False  # answered with an error (its final response)
         self._leave: Callable[[], None] | None = leave
 
     def first_response(self) -> None:
@@ -83,7 +95,7 @@ class ClientLink:
 
     def fail(self, message: str, code: Any) -> None:
         self.sender.send(error_response(message, code), flags=FINAL)
-        self.cancelled = True  # nothing more goes to this client
+        self.failed = self.cancelled = True  # nothing more goes to this client
 
 
 class FrontModel:
@@ -173,6 +185,8 @@ class FrontModel:
         finally:
             self.board.release(ticket)
             call.first_response()
+        if call.failed:
+            return  # the error was the final response
         if call.cancelled or not state.finish_reason:
             sender.send(flags=FINAL)  # the client went away or the engine ended without a chunk
             return
@@ -240,6 +254,9 @@ class FrontModel:
             if call.check_cancelled() or not answer.output_tensors():
                 continue  # drain until the engine's final response
             step = TokenStep.decode(outputs_of(answer))
+            if step.error:  # keeps the engine's kind: a refusal is the client's mistake
+                call.fail(step.error, error_code(step.error_kind))
+                continue  # drain until the engine's final response
             chunk = state.add(step.output_ids, step.output_log_probs, step.finish_reason)
             if chunk is not None:
                 flags = FINAL if chunk.finish_reason else 0

@@ -39,7 +39,7 @@ from python_backends.serving.common import (
 from python_backends.serving.engine_options import prefix_caching
 from python_backends.serving.metrics import EngineMetrics, KVTransferMetrics
 from python_backends.serving.outbox import Outbox, caller_gone, caller_lane
-from python_backends.wire import TokenStep
+from python_backends.wire import ErrorKind, TokenStep
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,11 @@ class _Caller:
     num_prompt_tokens: int
     board: FlagBoard | None  # set when the caller (the front) relays cancellation
     ticket: int
+    fault: str = ""  # an injected engine fault (front.validation.ENGINE_FAULTS)
+
+    def fault_due(self, ev: TokenEvent) -> bool:
+        """The injected fault strikes at the sequence's first step after its first token."""
+        return bool(self.fault) and ev.num_output_tokens > 1 and ev.finish_reason is None
 
     @property
     def lane(self) -> str:
@@ -113,7 +118,7 @@ class GeneratorModel(EngineListener):
                 continue
             seq_id = uuid.uuid4().hex
             self._callers[seq_id] = _Caller(call.sender, len(req.prompt_ids), call.board,
-                                            call.ticket)
+                                            call.ticket, req.engine_fault)
             seq = Sequence(seq_id, list(req.prompt_ids), req.params, priority=req.priority,
                            tenant=req.tenant, cache_salt=req.cache_salt)
             if handle is not None:
@@ -161,6 +166,11 @@ class GeneratorModel(EngineListener):
 
     def on_tokens(self, events: list[TokenEvent]) -> None:
         for ev in events:
+            if self._callers[ev.seq_id].fault_due(ev):
+                self.loop.engine.abort(ev.seq_id)  # on the loop thread: the engine is ours
+                self.on_finished_early(ev.seq_id, RuntimeError(
+                    "injected engine fault: the step after the first token failed"))
+                continue
             self.metrics.observe(ev)
             if ev.finish_reason is None:
                 caller, flags = self._callers[ev.seq_id], 0
@@ -176,16 +186,15 @@ class GeneratorModel(EngineListener):
         caller = self._callers.pop(seq_id)
         if caller_gone(self.outbox, caller.board):  # its front died: nobody to answer
             return
-        if error is not None:
-            code = (pb_utils.TritonError.INVALID_ARG if isinstance(error, ValueError)
-                    else pb_utils.TritonError.UNAVAILABLE if isinstance(error, ShuttingDown)
-                    else pb_utils.TritonError.INTERNAL)
-            self.outbox.put(caller.sender, partial(error_response, str(error), code), FINAL,
-                            caller.lane)
-        else:
-            self.outbox.put(caller.sender, partial(step_response, TokenStep(
-                [], [], FinishReason.CANCELLED.value, caller.num_prompt_tokens, 0
-            )), FINAL, caller.lane)
+        if error is None:
+            step = TokenStep([], [], FinishReason.CANCELLED.value, caller.num_prompt_tokens, 0)
+        else:  # as data: the front would never see a Triton error after a first response
+            kind = (ErrorKind.INVALID if isinstance(error, ValueError)
+                    else ErrorKind.UNAVAILABLE if isinstance(error, ShuttingDown)
+                    else ErrorKind.INTERNAL)
+            step = TokenStep([], [], FinishReason.ERROR.value, caller.num_prompt_tokens, 0,
+                             f"{self.name}: {error}", kind.value)
+        self.outbox.put(caller.sender, partial(step_response, step), FINAL, caller.lane)
 
     def finalize(self) -> None:
         # Let sequences in flight finish first: an instance is finalized when the server stops
