@@ -53,6 +53,9 @@ class _Caller:
     board: FlagBoard | None  # set when the caller (the front) relays cancellation
     ticket: int
     fault: str = ""  # an injected engine fault (front.validation.ENGINE_FAULTS)
+    # A prefilled request's KV handle until its pull takes it: a lease to give back at once
+    # if the sequence ends or starts without one (refused, cancelled, no room to pull into).
+    handle: KVHandle | None = None
 
     def fault_due(self, ev: TokenEvent) -> bool:
         """The injected fault strikes at the sequence's first step after its first token."""
@@ -118,18 +121,21 @@ class GeneratorModel(EngineListener):
                 continue
             seq_id = uuid.uuid4().hex
             self._callers[seq_id] = _Caller(call.sender, len(req.prompt_ids), call.board,
-                                            call.ticket, req.engine_fault)
+                                            call.ticket, req.engine_fault, handle)
             seq = Sequence(seq_id, list(req.prompt_ids), req.params, priority=req.priority,
                            tenant=req.tenant, cache_salt=req.cache_salt)
             if handle is not None:
                 seq.continue_from(msg.first_token or 0, msg.first_log_prob or 0.0)
-                self.loop.submit_import(seq, handle.num_tokens, partial(self._fetch, handle))
+                self.loop.submit_import(seq, handle.num_tokens, partial(self._fetch, seq_id))
             else:
                 self.loop.submit(seq)
         return None
 
-    def _fetch(self, handle: KVHandle, blocks: list[int]) -> bool:
+    def _fetch(self, seq_id: str, blocks: list[int]) -> bool:
         """Pull a handed-off request's KV into `blocks` (engine-loop thread). False: recompute."""
+        caller = self._callers[seq_id]
+        handle, caller.handle = caller.handle, None
+        assert handle is not None
         sink = self._sinks.get(handle.transport)
         reason = ""
         if sink is None:
@@ -164,8 +170,15 @@ class GeneratorModel(EngineListener):
             except Exception:  # the owner reaps the leases when they expire
                 log.exception("sending KV lease releases failed")
 
+    def _release_unpulled(self, caller: _Caller) -> None:
+        """Give back the lease of a handed-off request whose KV was never pulled."""
+        if caller.handle is not None:
+            abandon(caller.handle, self._boards)
+            caller.handle = None
+
     def on_tokens(self, events: list[TokenEvent]) -> None:
         for ev in events:
+            self._release_unpulled(self._callers[ev.seq_id])
             if self._callers[ev.seq_id].fault_due(ev):
                 self.loop.engine.abort(ev.seq_id)  # on the loop thread: the engine is ours
                 self.on_finished_early(ev.seq_id, RuntimeError(
@@ -184,6 +197,7 @@ class GeneratorModel(EngineListener):
 
     def on_finished_early(self, seq_id: str, error: Exception | None) -> None:
         caller = self._callers.pop(seq_id)
+        self._release_unpulled(caller)
         if caller_gone(self.outbox, caller.board):  # its front died: nobody to answer
             return
         if error is None:

@@ -4,13 +4,14 @@ stub processes, the KV cache crossing between them over NIXL and host shared mem
 from __future__ import annotations
 
 import math
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
 
-from python_backends.client import as_list, metric_sum
+from python_backends.client import GenerateError, as_list, metric_sum
 from python_backends.config import EngineConfig
 from python_backends.watchdog import live_stubs
 from tests.e2e.conftest import ENGINE_DIR, MAX_TOKENS, PROMPTS, Reference, Server
@@ -140,3 +141,21 @@ def test_routing_parameters_are_validated(server: Server) -> None:
         with pytest.raises(GenerateError) as e:
             server.client.generate(PROMPTS[0], max_tokens=2, **{key: value})
         assert key in str(e.value)
+
+
+def test_a_handoff_decode_refuses_gives_the_lease_back_at_once(server: Server) -> None:
+    """Decode refuses a prefilled request it can never fit: the client gets the refusal, and
+    the prefill instance's lease is released at once, not when it expires (kv_lease_seconds)."""
+    prompt = "Tell me about the sea. " * 40  # about 240 tokens: more than 8 blocks of 16
+    with server.options.repository().reloaded("decode", kv_cache_blocks="8"):
+        expired = _metric(server, "llm_kv_lease_expired_total", model="prefill")
+        with pytest.raises(GenerateError) as e:
+            server.client.generate(prompt, max_tokens=8, route="disaggregated",
+                                   cache_salt=uuid.uuid4().hex)
+        assert "KV blocks" in e.value.message and e.value.status == 400
+        deadline = time.monotonic() + 3.0
+        while _metric(server, "llm_kv_cache_blocks_used", model="prefill") and (
+                time.monotonic() < deadline):
+            time.sleep(0.1)
+        assert _metric(server, "llm_kv_cache_blocks_used", model="prefill") == 0
+        assert _metric(server, "llm_kv_lease_expired_total", model="prefill") == expired
