@@ -63,7 +63,7 @@ class PrefixCache:
 
     def match(self, seq: Sequence) -> PrefixMatch:
         """The cached prefix of a sequence that holds no blocks yet. Changes nothing."""
-        if not self.enabled or seq.block_table or seq.num_computed_tokens:
+        if not self.enabled or seq.holds_kv:
             return PrefixMatch()
         bs = self.blocks.block_size
         hashes = seq.block_hashes(bs, (seq.num_tokens - 1) // bs)
@@ -90,7 +90,7 @@ class PrefixCache:
         """Start `seq` from its match: share the pool's blocks, read the tier's into new
         ones (stopping at the first that fails), and count the lookup. A sequence that holds
         KV already (imported from a prefill instance) is left as it is."""
-        if seq.block_table or seq.num_computed_tokens:
+        if seq.holds_kv:
             return
         for b in match.local:
             self.blocks.share(b)
@@ -123,6 +123,8 @@ class PrefixCache:
             return
         bs = self.blocks.block_size
         full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        if full <= seq.num_cached_blocks:  # most steps complete no block
+            return
         hashes = seq.block_hashes(bs, full)
         for i in range(seq.num_cached_blocks, full):
             tokens = tuple(seq.tokens(i * bs, (i + 1) * bs))
@@ -130,4 +132,4 @@ class PrefixCache:
             self.blocks.cache(block, hashes[i], tokens)
             if self.tier is not None:
                 self.tier.write(hashes[i], tokens, block)
-        seq.num_cached_blocks = max(seq.num_cached_blocks, full)
+        seq.num_cached_blocks = full

@@ -63,6 +63,11 @@ class Sequence:
             self.output_logprobs.append(first_logprob)
 
     @property
+    def holds_kv(self) -> bool:
+        """It has blocks or computed tokens already: it ran before, or its KV was imported."""
+        return bool(self.block_table) or self.num_computed_tokens > 0
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_ids)
 
