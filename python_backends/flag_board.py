@@ -8,6 +8,10 @@ ensemble, nor a BLS callee, that a client cancelled (docs/platform.md).
 A flag is addressed by a ticket (slot and a per-slot generation tag), so a late flag for a
 finished request can never hit the next request that reuses its slot.
 
+Each slot also records which engine process holds the request now (`hold`, `holder`): an
+engine writes its pid when a request reaches it, and the front, waiting on an engine that went
+quiet, tells from the pid whether that engine is still alive (see front.migration).
+
 A board's name carries its owner's pid, so a reader also tells that the owner is gone
 (`owner_alive`): its stub died, nothing it asked for is wanted, and every ticket on its board
 reads as raised."""
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import struct
 import threading
 import time
 import uuid
@@ -27,6 +32,9 @@ SHM_DIR = Path("/dev/shm")
 NAME_PREFIX = "triton_llm_cancel_"
 _TAGS = 255  # tags 1..255; byte 0 means "not cancelled"
 OWNER_CHECK_S = 1.0  # how stale `owner_alive` may be
+# After the flag bytes, one record per slot: the holder's ticket and pid (0: none yet).
+_HOLDER = struct.Struct("<II")
+_SLOT_BYTES = 1 + _HOLDER.size
 
 
 class BoardFull(RuntimeError):
@@ -52,9 +60,9 @@ def map_shared(path: Path, size: int, owner: bool) -> mmap.mmap:
 class FlagBoard:
     def __init__(self, path: Path, size: int, owner: bool) -> None:
         self.path = path
-        self.size = size
+        self.size = size  # slots
         self._owner = owner
-        self._map = map_shared(path, size, owner)
+        self._map = map_shared(path, size * _SLOT_BYTES, owner)
         self._free = list(range(size - 1, -1, -1)) if owner else []
         self._tags = [0] * size if owner else []
         self._lock = threading.Lock()
@@ -71,7 +79,7 @@ class FlagBoard:
         if (not name.startswith(NAME_PREFIX) or path.parent != SHM_DIR
                 or not _pid_in(name).isdigit()):
             raise ValueError(f"not a cancel board: {name!r}")
-        return cls(path, path.stat().st_size, False)
+        return cls(path, path.stat().st_size // _SLOT_BYTES, False)
 
     @property
     def name(self) -> str:
@@ -101,8 +109,10 @@ class FlagBoard:
             slot = self._free.pop()
             self._tags[slot] = self._tags[slot] % _TAGS + 1
             tag = self._tags[slot]
+        ticket = slot * 256 + tag
         self._map[slot] = 0
-        return slot * 256 + tag
+        self.hold(ticket, 0)
+        return ticket
 
     def release(self, ticket: int) -> None:
         with self._lock:
@@ -114,6 +124,15 @@ class FlagBoard:
     def is_cancelled(self, ticket: int) -> bool:
         """The ticket's flag is raised, or the board's owner is gone."""
         return self._map[ticket // 256] == ticket % 256 or not self.owner_alive()
+
+    def hold(self, ticket: int, pid: int) -> None:
+        """Record that process `pid` holds the ticket's request now (an engine, on arrival)."""
+        _HOLDER.pack_into(self._map, self.size + ticket // 256 * _HOLDER.size, ticket, pid)
+
+    def holder(self, ticket: int) -> int:
+        """The pid of the process holding the ticket's request; 0 while none has said so."""
+        held, pid = _HOLDER.unpack_from(self._map, self.size + ticket // 256 * _HOLDER.size)
+        return int(pid) if held == ticket else 0
 
     def close(self) -> None:
         self._map.close()

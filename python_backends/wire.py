@@ -204,7 +204,8 @@ class EngineRequest(Message):
     """front -> worker, decode or prefill. `cancel_board` and `cancel_ticket` name the flag the
     front raises when the client goes away (flag_board); a direct caller leaves them out. A
     request prefilled elsewhere carries its KV handle (kv_transfer.KVHandle as JSON) and first
-    token, for decode."""
+    token, for decode. A request migrated from an engine that died carries the tokens generated
+    so far (`resume_ids`): the engine computes them with the prompt and goes on from there."""
 
     JSON_TYPES: ClassVar[dict[str, type]] = {"request": GenerationRequest}
     request: GenerationRequest = _tensor("REQUEST", Kind.JSON)
@@ -213,6 +214,7 @@ class EngineRequest(Message):
     kv_handle: bytes | None = _tensor("KV_HANDLE", Kind.BLOB, None)
     first_token: int | None = _tensor("FIRST_TOKEN", Kind.INT, None)
     first_log_prob: float | None = _tensor("FIRST_LOG_PROB", Kind.FLOAT, None)
+    resume_ids: list[int] | None = _tensor("RESUME_IDS", Kind.INTS, None)
 
 
 class ErrorKind(enum.Enum):
@@ -265,6 +267,16 @@ class ClientChunk(Message):
     num_output_tokens: int = _tensor("NUM_OUTPUT_TOKENS", Kind.INT)
     cum_log_prob: float = _tensor("CUM_LOG_PROBS", Kind.FLOAT)
     output_log_probs: list[float] = _tensor("OUTPUT_LOG_PROBS", Kind.FLOATS)
+
+    @classmethod
+    def probe(cls, cancel_board: str, cancel_ticket: int) -> ClientChunk:
+        """A chunk that reports nothing: it only asks postprocessing whether the client is
+        still there (front.liveness)."""
+        return cls(cancel_board, cancel_ticket, [], 0, [], "", 0, 0, 0.0, [])
+
+    @property
+    def is_probe(self) -> bool:
+        return not self.tokens and not self.output_ids and not self.finish_reason
 
 
 @dataclass(frozen=True)
@@ -329,7 +341,7 @@ MODEL_INTERFACES: dict[str, tuple[list[TensorSpec], list[TensorSpec]]] = {
     "worker": (EngineRequest.specs(), TokenStep.specs()),
     "decode": (EngineRequest.specs(), TokenStep.specs()),
     "prefill": ([s for s in EngineRequest.specs()
-                 if s.name not in ("KV_HANDLE", "FIRST_TOKEN", "FIRST_LOG_PROB")],
+                 if s.name not in ("KV_HANDLE", "FIRST_TOKEN", "FIRST_LOG_PROB", "RESUME_IDS")],
                 PrefillAnswer.specs()),
     "postprocessing": (ClientChunk.specs(), ClientOutput.specs()),
     "kv_store": (StoreQuery.specs(), StoreStatus.specs()),

@@ -71,3 +71,21 @@ def test_attach_refuses_names_that_are_not_boards() -> None:
     for name in ("x", "triton_llm_cancel_abc_1234", "../triton_llm_cancel_1_2"):
         with pytest.raises(ValueError, match="not a cancel board"):
             FlagBoard.attach(name)
+
+
+def test_holders_are_per_ticket_and_reset_for_the_next_request() -> None:
+    owner = FlagBoard.create(size=2)
+    engine = FlagBoard.attach(owner.name)
+    try:
+        ticket = owner.acquire()
+        assert owner.holder(ticket) == 0
+        engine.hold(ticket, 4242)  # an engine records itself when the request reaches it
+        assert owner.holder(ticket) == 4242
+        owner.release(ticket)
+        again = owner.acquire()
+        assert again // 256 == ticket // 256 and owner.holder(again) == 0
+        engine.hold(ticket, 4343)  # a late record for the finished request is ignored
+        assert owner.holder(again) == 0
+    finally:
+        engine.close()
+        owner.close()

@@ -14,6 +14,7 @@ import torch
 
 from python_backends.engine.kv_handoff import KVFetch
 from python_backends.engine.llm_engine import LLMEngine, TokenEvent
+from python_backends.engine.ranks import RankFailure
 from python_backends.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -139,10 +140,11 @@ class EngineLoop:
             events = self.engine.step()
         except Exception as e:  # a bug must not wedge every request: fail them, keep serving
             log.exception("engine step failed; aborting all sequences")
+            # A dead rank goes to the listener as it is: the instance cannot compute any more.
+            error = e if isinstance(e, RankFailure) else RuntimeError(f"engine step failed: {e}")
             for seq in self.engine.sequences():
                 self.engine.abort(seq.seq_id)
-                self._listener.on_finished_early(seq.seq_id,
-                                                 RuntimeError(f"engine step failed: {e}"))
+                self._listener.on_finished_early(seq.seq_id, error)
             return
         if events:
             self._listener.on_tokens(events)

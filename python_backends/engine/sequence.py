@@ -54,13 +54,14 @@ class Sequence:
         if self.params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.params.seed)
 
-    def continue_from(self, first_token: int, first_logprob: float) -> None:
-        """This sequence was prefilled by another instance, which drew its first token; its
-        decode time counts from now."""
-        self.output_ids.append(first_token)
+    def continue_from(self, token_ids: list[int], logprobs: list[float]) -> None:
+        """This sequence's first output tokens were drawn elsewhere: by a prefill instance (the
+        first token, with its KV imported) or by an engine that died mid-request (a migration:
+        they are computed with the prompt). Its decode time counts from now."""
+        self.output_ids.extend(token_ids)
         self.first_token_time = time.monotonic()
         if self.params.return_log_probs:
-            self.output_logprobs.append(first_logprob)
+            self.output_logprobs.extend(logprobs)
 
     @property
     def holds_kv(self) -> bool:

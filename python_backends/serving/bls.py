@@ -3,10 +3,15 @@ it without the GIL and corrupt the stub's heap (docs/platform.md, "Python backen
 
 `BLSStreams.stream` reads a call through its final response, then keeps the iterator referenced
 for `hold_s` seconds (the stub erases its own reference within milliseconds), so the last
-reference is dropped by a Python thread, under the GIL."""
+reference is dropped by a Python thread, under the GIL.
+
+`Answers` reads one call on a thread of its own, so its caller can wait with a timeout: Triton
+2.51 never ends a call whose engine stub died, and a caller blocked in it could never move the
+request elsewhere (front.migration). Such a reader stays blocked until the server stops."""
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections import deque
@@ -55,3 +60,28 @@ class BLSStreams:
             held = list(self._held)
             self._held.clear()
         held.clear()
+
+
+class Answers:
+    """The responses of one decoupled BLS call, read by a daemon thread into a queue."""
+
+    END = object()  # `next` returns it after the final response
+
+    def __init__(self, streams: BLSStreams, request: Any) -> None:
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        threading.Thread(target=self._read, args=(streams, request), name="bls-answers",
+                         daemon=True).start()
+
+    def _read(self, streams: BLSStreams, request: Any) -> None:
+        try:
+            for answer in streams.stream(request):
+                self._queue.put(answer)
+        except Exception as e:  # the call itself failed: its caller sees the exception
+            self._queue.put(e)
+        finally:
+            self._queue.put(self.END)
+
+    def next(self, timeout: float) -> Any:
+        """The next response, an exception the call raised, or END; raises queue.Empty after
+        `timeout` seconds without one."""
+        return self._queue.get(timeout=timeout)

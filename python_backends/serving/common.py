@@ -120,8 +120,9 @@ class EngineCall:
 
 
 def engine_calls(requests: list[Any], boards: BoardCache, model: str) -> Iterator[EngineCall]:
-    """Decode each request of an engine model's `execute`; a malformed one (a bug in its
-    caller) is answered with an error at once and skipped."""
+    """Decode each request of an engine model's `execute`, recording this process as its holder
+    on the front's board; a malformed one (a bug in its caller) is answered with an error at
+    once and skipped."""
     for request in requests:
         sender = request.get_response_sender()
         try:
@@ -130,6 +131,8 @@ def engine_calls(requests: list[Any], boards: BoardCache, model: str) -> Iterato
         except Exception as e:
             sender.send(error_response(f"{model}: bad request: {e}"), flags=FINAL)
             continue
+        if board is not None:  # the front watches this process while it holds the request
+            board.hold(msg.cancel_ticket, os.getpid())
         yield EngineCall(sender, msg, board, msg.cancel_ticket if board else 0)
 
 

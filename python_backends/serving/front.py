@@ -11,7 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -27,12 +31,20 @@ from python_backends.front.admission import (
     RejectReason,
     parse_rate_limits,
 )
+from python_backends.front.liveness import HolderWatch, IdleProber
+from python_backends.front.migration import (
+    STUB_UNHEALTHY,
+    MigrationBudget,
+    MigrationReason,
+    Moved,
+    next_engine,
+)
 from python_backends.front.routing import Route, Router, RoutingPolicy
 from python_backends.front.stream import RequestStream
 from python_backends.front.tenancy import CacheSharing
 from python_backends.front.validation import InvalidRequest
 from python_backends.kv_transfer.base import KVHandle, abandon
-from python_backends.serving.bls import BLSStreams
+from python_backends.serving.bls import Answers, BLSStreams
 from python_backends.serving.common import (
     FINAL,
     ModelArgs,
@@ -43,7 +55,9 @@ from python_backends.serving.common import (
     response,
 )
 from python_backends.serving.metrics import AdmissionMetrics, RequestMetrics
+from python_backends.watchdog import live_stubs
 from python_backends.wire import (
+    ClientChunk,
     EngineRequest,
     ErrorKind,
     GenerationRequest,
@@ -66,17 +80,24 @@ def error_code(kind: str) -> Any:
 
 
 class ClientLink:
-    """One request's link to its client: response sender, cancel ticket, admission wait."""
+    """One request's link to its client. Every response goes through it, under a lock, so
+    exactly one carries the final flag (Triton counts the request in flight until then) and a
+    probe (front.liveness) never follows it."""
 
-    def __init__(
-        self, sender: Any, board: FlagBoard, ticket: int, leave: Callable[[], None]
-    ) -> None:
+    def __init__(self, sender: Any, clock: Callable[[], float] = time.monotonic) -> None:
         self.sender = sender
-        self.board = board
-        self.ticket = ticket
-        self.cancelled = False
-        self.failed = False  # answered with an error (its final response)
-        self._leave: Callable[[], None] | None = leave
+        self.board: FlagBoard | None = None
+        self.ticket = 0
+        self.cancelled = False  # the client went away, or an error answered it
+        self.closed = False  # the final response went out
+        self._leave: Callable[[], None] | None = None
+        self._lock = threading.Lock()
+        self._clock = clock
+        self._last_sent = clock()
+
+    def attach(self, board: FlagBoard, ticket: int, leave: Callable[[], None]) -> None:
+        """The request was admitted: its cancel ticket and the admission wait it holds."""
+        self.board, self.ticket, self._leave = board, ticket, leave
 
     def first_response(self) -> None:
         """The request stops waiting (counted by admission control) at its first response."""
@@ -85,17 +106,48 @@ class ClientLink:
             self._leave = None
 
     def check_cancelled(self) -> bool:
-        # Postprocessing raises the flag when the client cancels a stream (see flag_board);
-        # a direct caller of this model cancels the sender itself. Engines see the flag.
-        if not self.cancelled and (self.board.is_cancelled(self.ticket)
-                                   or self.sender.is_cancelled()):
+        # Postprocessing raises the flag when the client goes away (see flag_board); a direct
+        # caller of this model cancels the sender itself. Engines see the flag.
+        if not self.cancelled and self.board is not None and (
+                self.board.is_cancelled(self.ticket) or self.sender.is_cancelled()):
             self.cancelled = True
             self.board.cancel(self.ticket)
         return self.cancelled
 
+    def send(self, chunk: ClientChunk, final: bool) -> None:
+        self._send(response(chunk, batched=True), FINAL if final else 0)
+
     def fail(self, message: str, code: Any) -> None:
-        self.sender.send(error_response(message, code), flags=FINAL)
-        self.failed = self.cancelled = True  # nothing more goes to this client
+        self._send(error_response(message, code), FINAL)
+        self.cancelled = True  # nothing more goes to this client
+
+    def close(self) -> None:
+        """The final flag alone, unless a final response went out already."""
+        self._send(None, FINAL)
+
+    def idle_for(self, now: float) -> float:
+        return now - self._last_sent
+
+    def probe(self) -> None:
+        if self.board is not None:
+            self._send(response(ClientChunk.probe(self.board.name, self.ticket), batched=True), 0)
+
+    def _send(self, answer: Any, flags: int) -> None:
+        with self._lock:
+            if self.closed:
+                return
+            if answer is None:
+                self.sender.send(flags=flags)
+            else:
+                self.sender.send(answer, flags=flags)
+            self._last_sent = self._clock()
+            self.closed = flags == FINAL
+
+
+class _EngineLost(Exception):
+    def __init__(self, moved: Moved) -> None:
+        super().__init__(moved.detail)
+        self.moved = moved
 
 
 class FrontModel:
@@ -136,6 +188,10 @@ class FrontModel:
             max_workers=margs.int_param("max_concurrent_requests", 1024),
             thread_name_prefix="request",
         )
+        self.migration_limit = margs.int_param("migration_limit", 3)
+        self.engine_check_s = float(margs.param("engine_check_interval_seconds", "0.5"))
+        self.prober = IdleProber(float(margs.param("client_probe_interval_seconds", "1.0")))
+        self.prober.start()
 
     def execute(self, requests: list[Any]) -> None:
         # Requests are read here, while Triton still holds them (their input tensors live in
@@ -152,14 +208,16 @@ class FrontModel:
         return None
 
     def _serve(self, sender: Any, req: GenerationRequest) -> None:
+        link = ClientLink(sender)
         try:
-            self._serve_one(sender, req)
+            self._serve_one(link, req)
         except Exception as e:
             log.exception("request failed")
-            sender.send(error_response(f"front: {e}", pb_utils.TritonError.INTERNAL),
-                        flags=FINAL)
+            link.fail(f"front: {e}", pb_utils.TritonError.INTERNAL)
+        finally:
+            link.close()  # every request ends inside Triton too, whatever happened
 
-    def _serve_one(self, sender: Any, req: GenerationRequest) -> None:
+    def _serve_one(self, link: ClientLink, req: GenerationRequest) -> None:
         req = dataclasses.replace(req, cache_salt=self.cache_sharing.salt(req.tenant,
                                                                           req.cache_salt))
         prompt_tokens = len(req.prompt_ids)
@@ -168,101 +226,167 @@ class FrontModel:
             self.admission.enter(prompt_tokens)
         except Rejected as e:
             self.admission_metrics.rejected(e.reason.value, req.tenant)
-            sender.send(error_response(str(e), pb_utils.TritonError.UNAVAILABLE), flags=FINAL)
+            link.fail(str(e), pb_utils.TritonError.UNAVAILABLE)
             return
         try:
             ticket = self.board.acquire()
         except BoardFull as e:
             self.admission.leave(prompt_tokens)
-            sender.send(error_response(f"server overloaded: {e}",
-                                       pb_utils.TritonError.UNAVAILABLE), flags=FINAL)
+            link.fail(f"server overloaded: {e}", pb_utils.TritonError.UNAVAILABLE)
             return
-        call = ClientLink(sender, self.board, ticket, lambda: self.admission.leave(prompt_tokens))
+        link.attach(self.board, ticket, lambda: self.admission.leave(prompt_tokens))
         state = RequestStream(req.prompt_ids, req.stream, req.exclude_input_in_output,
                               req.params.return_log_probs, self.board.name, ticket)
+        self.prober.add(link)
         try:
-            self._route(req, state, call)
+            self._route(req, state, link)
         finally:
+            self.prober.discard(link)
             self.board.release(ticket)
-            call.first_response()
-        if call.failed:
-            return  # the error was the final response
-        if call.cancelled or not state.finish_reason:
-            sender.send(flags=FINAL)  # the client went away or the engine ended without a chunk
-            return
-        self.metrics.finished(state)
+            link.first_response()
+        if link.closed and not link.cancelled and state.finish_reason:
+            self.metrics.finished(state)
 
-    def _route(self, req: GenerationRequest, state: RequestStream, call: ClientLink) -> None:
+    def _route(self, req: GenerationRequest, state: RequestStream, link: ClientLink) -> None:
         try:
             route = self.router.choose(req.route, len(req.prompt_ids))
         except InvalidRequest as e:
-            call.fail(str(e), pb_utils.TritonError.INVALID_ARG)
+            link.fail(str(e), pb_utils.TritonError.INVALID_ARG)
             return
-        engine_request = EngineRequest(req, self.board.name, call.ticket)
+        engine_request = EngineRequest(req, self.board.name, link.ticket)
         if route is Route.AGGREGATED:
             self.metrics.routed(route.value)
-            self._relay(self.worker_model, engine_request, state, call)
+            self._generate(self.worker_model, engine_request, state, link)
             return
         try:
-            prefilled = self._prefill(engine_request)
+            prefilled = self._prefill(engine_request, link)
         finally:
             self.router.prefill_done()
-        if prefilled is None and call.check_cancelled():
+        if prefilled is None and link.check_cancelled():
             return  # the prefill was dropped because the client went away
         if prefilled is None:  # the prefill group failed: decode computes the prompt itself
             self.metrics.routed("disaggregated_fallback")
-            self._relay(self.decode_model, engine_request, state, call)
+            self._generate(self.decode_model, engine_request, state, link)
             return
         self.metrics.routed(route.value)
-        call.first_response()
+        link.first_response()
         chunk = state.add([prefilled.token_id], [prefilled.log_prob], prefilled.finish_reason)
         if chunk is not None:
-            call.sender.send(response(chunk, batched=True),
-                             flags=FINAL if prefilled.finish_reason else 0)
+            link.send(chunk, final=bool(prefilled.finish_reason))
         if prefilled.finish_reason:
             return
-        if call.check_cancelled():  # the decode step never comes: free the lease now
+        if link.check_cancelled():  # the decode step never comes: free the lease now
             abandon(KVHandle.from_json(prefilled.kv_handle), self._boards)
             return
-        self._relay(self.decode_model, dataclasses.replace(
+        self._generate(self.decode_model, dataclasses.replace(
             engine_request, kv_handle=prefilled.kv_handle, first_token=prefilled.token_id,
             first_log_prob=prefilled.log_prob,
-        ), state, call)
+        ), state, link)
 
-    def _prefill(self, engine_request: EngineRequest) -> PrefillAnswer | None:
-        """The prefill group's answer; None when it failed (logged)."""
-        request = bls_request(self.prefill_model, engine_request, True, PrefillAnswer)
+    def _answers(self, model: str, request: Any, link: ClientLink) -> Iterator[Any]:
+        """The responses of one engine call (a BLS `request` to `model`). Raises _EngineLost
+        when the engine holding the request died, or Triton refused the call because the
+        instance's stub is dead."""
+        watch = HolderWatch(self.board, link.ticket)
+        watch.clear()  # the engine that takes this call records itself
+        answers = Answers(self.bls, request)
+        while True:
+            try:
+                item = answers.next(timeout=self.engine_check_s)
+            except queue.Empty:
+                if watch.engine_gone():
+                    raise _EngineLost(Moved(MigrationReason.ENGINE_DIED,
+                                            f"{model} process {watch.holder()} died")) from None
+                continue
+            if item is Answers.END:
+                return
+            if isinstance(item, Exception):
+                raise item
+            if item.has_error() and STUB_UNHEALTHY in item.error().message():
+                raise _EngineLost(Moved(MigrationReason.INSTANCE_DOWN, item.error().message()))
+            yield item
+
+    def _prefill(self, engine_request: EngineRequest, link: ClientLink) -> PrefillAnswer | None:
+        """The prefill group's answer; None when it failed or died (logged: decode then
+        computes the prompt itself)."""
         result = None
-        for answer in self.bls.stream(request):  # one answer, then the final flag
-            if answer.has_error():
-                log.warning("prefill failed, decode will recompute: %s",
-                            answer.error().message())
-            elif answer.output_tensors():
-                result = PrefillAnswer.decode(outputs_of(answer))
+        try:
+            request = bls_request(self.prefill_model, engine_request, True, PrefillAnswer)
+            for answer in self._answers(self.prefill_model, request, link):
+                if answer.has_error():
+                    log.warning("prefill failed, decode will recompute: %s",
+                                answer.error().message())
+                elif answer.output_tensors():
+                    result = PrefillAnswer.decode(outputs_of(answer))
+        except _EngineLost as e:
+            log.warning("prefill lost (%s), decode will recompute", e)
+            self.metrics.migrated(e.moved.reason.value)
         return result
 
-    def _relay(self, model: str, engine_request: EngineRequest, state: RequestStream,
-               call: ClientLink) -> None:
-        """Stream an engine model's responses to the client as chunks."""
-        request = bls_request(model, engine_request, False, TokenStep)
-        for answer in self.bls.stream(request):
-            call.first_response()  # a token, an error or the end ends the wait
-            if answer.has_error():  # keeps the engine's code: a refusal is the client's
-                error = answer.error()
-                call.fail(error.message(), error.code())
+    def _generate(self, model: str, engine_request: EngineRequest, state: RequestStream,
+                  link: ClientLink) -> None:
+        """Relay an engine's tokens to the client, moving the request to a live engine when
+        the one holding it dies (front.migration)."""
+        budget = MigrationBudget(self.migration_limit)
+        while True:
+            moved = self._relay(model, engine_request, state, link)
+            if moved is None or link.check_cancelled():
                 return
-            if call.check_cancelled() or not answer.output_tensors():
-                continue  # drain until the engine's final response
-            step = TokenStep.decode(outputs_of(answer))
-            if step.error:  # keeps the engine's kind: a refusal is the client's mistake
-                call.fail(step.error, error_code(step.error_kind))
-                continue  # drain until the engine's final response
-            chunk = state.add(step.output_ids, step.output_log_probs, step.finish_reason)
-            if chunk is not None:
-                flags = FINAL if chunk.finish_reason else 0
-                call.sender.send(response(chunk, batched=True), flags=flags)
+            if engine_request.kv_handle:  # its lease is not needed any more, pulled or not
+                abandon(KVHandle.from_json(engine_request.kv_handle), self._boards)
+            target = next_engine(model, [m for m in (self.worker_model, self.decode_model)
+                                         if m != model], moved.reason, self._live)
+            if target is None or not budget.spend():
+                self.metrics.unserved()
+                why = "no engine instance is left" if target is None else (
+                    f"moved {budget.limit} times already")
+                link.fail(f"the engine serving this request failed ({moved.detail}) and {why}",
+                          pb_utils.TritonError.UNAVAILABLE)
+                return
+            self.metrics.migrated(moved.reason.value)
+            log.warning("request moved from %s to %s after %d tokens: %s", model, target,
+                        len(state.output_ids), moved.detail)
+            model = target
+            engine_request = dataclasses.replace(
+                engine_request, kv_handle=None, first_token=None, first_log_prob=None,
+                resume_ids=list(state.output_ids))
+
+    def _live(self, model: str) -> bool:
+        """Whether some instance of `model` has a live stub (stubs are tritonserver's
+        children, as this one is)."""
+        return any(stub.model == model for stub in live_stubs(os.getppid()))
+
+    def _relay(self, model: str, engine_request: EngineRequest, state: RequestStream,
+               link: ClientLink) -> Moved | None:
+        """Stream one engine call's responses to the client as chunks; a Moved when the
+        request must go on elsewhere."""
+        moved = None
+        try:
+            request = bls_request(model, engine_request, False, TokenStep)
+            for answer in self._answers(model, request, link):
+                link.first_response()  # a token, an error or the end ends the wait
+                if answer.has_error():  # keeps the engine's code: a refusal is the client's
+                    error = answer.error()
+                    link.fail(error.message(), error.code())
+                    continue
+                if link.check_cancelled() or not answer.output_tensors():
+                    continue  # drain until the engine's final response
+                step = TokenStep.decode(outputs_of(answer))
+                if not step.error:
+                    chunk = state.add(step.output_ids, step.output_log_probs,
+                                      step.finish_reason)
+                    if chunk is not None:
+                        link.send(chunk, final=bool(chunk.finish_reason))
+                elif step.error_kind == ErrorKind.UNAVAILABLE.value:
+                    moved = Moved(MigrationReason.ENGINE_UNAVAILABLE, step.error)
+                else:  # keeps the engine's kind: a refusal is the client's mistake
+                    link.fail(step.error, error_code(step.error_kind))
+        except _EngineLost as e:
+            return e.moved
+        return moved
 
     def finalize(self) -> None:
+        self.prober.close()
         self.pool.shutdown(wait=True, cancel_futures=True)
         self.bls.close()
         self.board.close()

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -21,6 +23,7 @@ import triton_python_backend_utils as pb_utils
 from python_backends.diagnostics import enable_stack_dumps
 from python_backends.engine.engine_loop import EngineListener, EngineLoop
 from python_backends.engine.llm_engine import LLMEngine, TokenEvent
+from python_backends.engine.ranks import RankFailure
 from python_backends.engine.sequence import Sequence
 from python_backends.engine.waiting_queue import PriorityFairQueue
 from python_backends.flag_board import BoardCache, FlagBoard
@@ -106,6 +109,7 @@ class GeneratorModel(EngineListener):
             raise pb_utils.TritonModelException(f"{margs.model_name}: {e}") from None
         self.drain_timeout_s = float(margs.param("drain_timeout_seconds", "60"))
         self.outbox = Outbox(margs.instance_name)
+        self._restarting = False
         self.loop = EngineLoop(engine, self)
         self.metrics.publish(engine.stats())
         self.loop.start()
@@ -125,10 +129,12 @@ class GeneratorModel(EngineListener):
             seq = Sequence(seq_id, list(req.prompt_ids), req.params, priority=req.priority,
                            tenant=req.tenant, cache_salt=req.cache_salt)
             if handle is not None:
-                seq.continue_from(msg.first_token or 0, msg.first_log_prob or 0.0)
+                seq.continue_from([msg.first_token or 0], [msg.first_log_prob or 0.0])
                 self.loop.submit_import(seq, handle.num_tokens, partial(self._fetch, seq_id))
-            else:
-                self.loop.submit(seq)
+                continue
+            if msg.resume_ids:  # migrated: the log-probs were sent already, never again
+                seq.continue_from(msg.resume_ids, [0.0] * len(msg.resume_ids))
+            self.loop.submit(seq)
         return None
 
     def _fetch(self, seq_id: str, blocks: list[int]) -> bool:
@@ -200,15 +206,36 @@ class GeneratorModel(EngineListener):
         self._release_unpulled(caller)
         if caller_gone(self.outbox, caller.board):  # its front died: nobody to answer
             return
+        if isinstance(error, RankFailure):
+            self._restart_soon()
         if error is None:
             step = TokenStep([], [], FinishReason.CANCELLED.value, caller.num_prompt_tokens, 0)
         else:  # as data: the front would never see a Triton error after a first response
             kind = (ErrorKind.INVALID if isinstance(error, ValueError)
-                    else ErrorKind.UNAVAILABLE if isinstance(error, ShuttingDown)
+                    else ErrorKind.UNAVAILABLE if isinstance(error, ShuttingDown | RankFailure)
                     else ErrorKind.INTERNAL)
             step = TokenStep([], [], FinishReason.ERROR.value, caller.num_prompt_tokens, 0,
                              f"{self.name}: {error}", kind.value)
         self.outbox.put(caller.sender, partial(step_response, step), FINAL, caller.lane)
+
+    def _restart_soon(self) -> None:
+        """A rank group with a dead rank cannot be mended in place. Its sequences are failed as
+        UNAVAILABLE, so the front moves them to a live instance (front.migration); once they are
+        answered this stub exits and the watchdog reloads the model with a fresh group."""
+        if self._restarting:
+            return
+        self._restarting = True
+        threading.Thread(target=self._exit_for_restart, name="restart", daemon=True).start()
+
+    def _exit_for_restart(self, answer_within_s: float = 10.0) -> None:
+        deadline = time.monotonic() + answer_within_s
+        while self._callers and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.outbox.close(timeout=5.0)
+        log.error("%s: a rank of the engine died; exiting so that the watchdog restarts this "
+                  "instance", self.name)
+        logging.shutdown()
+        os._exit(70)
 
     def finalize(self) -> None:
         # Let sequences in flight finish first: an instance is finalized when the server stops

@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # the front's stub loads this module and needs no torch
 
 FINISH_REASONS = ("stop", "length")
 ROUTES = ("aggregated", "disaggregated", "disaggregated_fallback")
+MIGRATION_REASONS = ("engine_died", "engine_unavailable", "instance_down")
 
 PUBLISH_INTERVAL_S = 0.05
 # Counters published from an engine's running totals (EngineStats field, name, help).
@@ -277,11 +278,16 @@ class RequestMetrics:
         self.generation_tokens = _metric(
             "llm_generation_tokens_total", "Tokens generated for finished requests", c, labels
         )
+        self.unserved_requests = _metric(
+            "llm_requests_unserved_total", "Requests failed because the engine serving them "
+            "failed and no engine instance was left to continue on", c, labels)
         self._labels = labels
         for reason in FINISH_REASONS:  # series exist from the start, at 0
             self._finished(reason)
         for route in ROUTES:
             self._routed(route)
+        for reason in MIGRATION_REASONS:
+            self._migrated(reason)
 
     def finished(self, state: RequestStream) -> None:
         """A request that ended with a finish reason (stop, length)."""
@@ -306,6 +312,17 @@ class RequestMetrics:
 
     def routed(self, route: str) -> None:
         self._routed(route).increment(1)
+
+    def _migrated(self, reason: str) -> Metric:
+        return _metric("llm_request_migrations_total", "Requests moved to another engine "
+                       "instance, by why their engine was lost (front.migration)",
+                       pb_utils.MetricFamily.COUNTER, {**self._labels, "reason": reason})
+
+    def migrated(self, reason: str) -> None:
+        self._migrated(reason).increment(1)
+
+    def unserved(self) -> None:
+        self.unserved_requests.increment(1)
 
 
 class AdmissionMetrics:

@@ -1,5 +1,6 @@
 """`postprocessing`: a ClientChunk's token window to text (stateless; see
-python_backends.detokenizer), answered as the ensemble's outputs."""
+python_backends.detokenizer), answered as the ensemble's outputs. A probe chunk, or any chunk
+of a client that went away, gets a response with no outputs."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from transformers import AutoTokenizer
 from python_backends.detokenizer import incremental_text
 from python_backends.diagnostics import enable_stack_dumps
 from python_backends.flag_board import BoardCache
-from python_backends.serving.common import ModelArgs, error_response, inputs_of, response
+from python_backends.serving.common import ModelArgs, inputs_of, response
 from python_backends.wire import ClientChunk, ClientOutput
 
 
@@ -32,7 +33,11 @@ class PostprocessingModel:
                 # The ensemble marks this step's request when the client went away; tell the
                 # front and the engine through the cancel board (see flag_board).
                 self.boards.get(chunk.cancel_board).cancel(chunk.cancel_ticket)
-                responses.append(error_response("cancelled", pb_utils.TritonError.CANCELLED))
+            if request.is_cancelled() or chunk.is_probe:
+                # No outputs: the ensemble sends the client nothing. Never an error: Triton
+                # 2.51's ensemble stops counting its steps after one, so the request would
+                # stay in flight for ever (docs/platform.md).
+                responses.append(pb_utils.InferenceResponse(output_tensors=[]))
                 continue
             responses.append(response(ClientOutput(
                 text_output=incremental_text(self.tokenizer, chunk.tokens, chunk.prefix_len),

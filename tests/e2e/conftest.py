@@ -154,8 +154,7 @@ class Reference:
         return str(text).rstrip("\ufffd")
 
 
-@pytest.fixture(scope="session")
-def reference() -> Reference:
+def hf_greedy(prompts: list[str], max_tokens: int) -> Reference:
     """Hugging Face greedy generate on the GGUF itself (not on our engine's weights)."""
     from transformers import AutoTokenizer
 
@@ -166,10 +165,15 @@ def reference() -> Reference:
     model, _ = load_hf(config.source)
     tokenizer = AutoTokenizer.from_pretrained(str(ENGINE_DIR))
     outputs = {}
-    for p in PROMPTS:
+    for p in prompts:
         ids = tokenizer(p)["input_ids"]
-        out = model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False,
+        out = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False,
                              eos_token_id=list(config.tokenizer.eos_token_ids),
                              pad_token_id=config.tokenizer.pad_token_id)
         outputs[p] = out[0, len(ids):].tolist()
     return Reference(tokenizer, outputs)
+
+
+@pytest.fixture(scope="session")
+def reference() -> Reference:
+    return hf_greedy(PROMPTS, MAX_TOKENS)

@@ -168,3 +168,22 @@ def test_tenants_share_generated_tokens_fairly_while_backlogged(tiny_llama: Tiny
     assert abs(equal["a"] - equal["b"]) <= 0.15 * (equal["a"] + equal["b"]) / 2
     weighted = run({"a": 3.0, "b": 1.0})
     assert abs(weighted["a"] / weighted["b"] - 3.0) <= 0.15 * 3.0
+
+
+def test_a_migrated_sequence_resumes_exactly(tiny_llama: TinyModel) -> None:
+    """A request moved off an engine that died arrives with the tokens generated so far
+    (Sequence.continue_from): the new engine computes them with the prompt and draws exactly
+    the tokens the undisturbed run would have, counting max_tokens across both engines."""
+    from python_backends.engine.sequence import Sequence
+
+    p = prompts(1, seed=9)[0]
+    want = tiny_llama.greedy(p, 20)
+    engine = tiny_llama.engine()
+    seq = Sequence("moved", list(p), SamplingParams(max_tokens=20))
+    seq.continue_from(want[:7], [0.0] * 7)
+    engine.add(seq)
+    drawn = []
+    while engine.has_unfinished:
+        drawn += [ev.token_id for ev in engine.step()]
+    assert drawn == want[7:]
+    assert seq.finish_reason is FinishReason.LENGTH and engine.blocks.num_used == 0

@@ -88,7 +88,7 @@ def _continue(
         assert res.handle is not None and res.finish_reason is None
         outputs[f"s{i}"] = [res.token_id]
         seq = Sequence(f"s{i}", prompt, _params(), cache_salt=salt)
-        seq.continue_from(res.token_id, res.logprob)
+        seq.continue_from([res.token_id], [res.logprob])
         engine.handoff.add(seq, res.handle.num_tokens, fetcher(res.handle))
     while engine.has_unfinished:
         for ev in engine.step():

@@ -25,3 +25,18 @@ def test_streaming_windows_and_timing() -> None:
     assert s.ttft is not None and s.tpot is not None
     final = s.add([], [], "cancelled")
     assert final is not None and final.finish_reason == "cancelled" and final.tokens[8:] == []
+
+
+def test_only_a_probe_reports_nothing() -> None:
+    from python_backends.wire import ClientChunk
+
+    probe = ClientChunk.probe("board", 257)
+    assert probe.is_probe and (probe.cancel_board, probe.cancel_ticket) == ("board", 257)
+    s = RequestStream([1], stream=True, exclude_input_in_output=True, return_log_probs=False)
+    first = s.add([5], [0.0], "")
+    last = s.add([], [], "stop")  # a final chunk may carry no new token, never no reason
+    assert first is not None and last is not None
+    assert not first.is_probe and not last.is_probe
+    whole = RequestStream([1], stream=False, exclude_input_in_output=True,
+                          return_log_probs=False).add([], [], "cancelled")
+    assert whole is not None and not whole.is_probe

@@ -45,7 +45,7 @@ def hand_over(prefill: LLMEngine, decode: LLMEngine, batch: list[list[int]]) -> 
             return True
 
         seq = Sequence(f"s{i}", p, SamplingParams(max_tokens=N))
-        seq.continue_from(ev.token_id, 0.0)
+        seq.continue_from([ev.token_id], [0.0])
         decode.handoff.add(seq, ev.kv_tokens, fetch)
         outputs[f"s{i}"] = [ev.token_id]
     computed = decode.stats().num_prompt_tokens_computed

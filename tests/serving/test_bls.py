@@ -86,3 +86,35 @@ def test_zero_hold_releases_at_once() -> None:
     _, ref = _call(streams, ["a"])
     gc.collect()
     assert ref() is None and streams.held == 0
+
+
+class BlockedRequest:
+    """A call whose engine died: its iterator never yields (Triton 2.51 never ends it)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.release = threading.Event()
+
+    def exec(self, decoupled: bool) -> Any:
+        self.release.wait(10)
+        return iter(["late"])
+
+
+def test_answers_come_through_a_queue_and_a_quiet_call_times_out() -> None:
+    import queue
+
+    import pytest
+
+    from python_backends.serving.bls import Answers
+
+    streams = BLSStreams(hold_s=0.0)
+    answers = Answers(streams, FakeRequest(["a", "b"]))
+    assert [answers.next(5), answers.next(5)] == ["a", "b"]
+    assert answers.next(5) is Answers.END
+    blocked = BlockedRequest()
+    quiet = Answers(streams, blocked)
+    with pytest.raises(queue.Empty):
+        quiet.next(0.05)  # the caller can walk away from it
+    blocked.release.set()
+    assert quiet.next(5) == "late"
