@@ -1,19 +1,25 @@
-"""Client cancellation (gRPC stream cancel, SSE disconnect) frees the sequence's KV blocks."""
+"""Client cancellation (gRPC stream cancel, SSE disconnect, a non-streaming client's
+disconnect) frees the sequence's KV blocks and ends the request inside Triton."""
 
 from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
+import requests
 import tritonclient.grpc as grpcclient
 
-from python_backends.client import metric_sum
-from tests.e2e.conftest import Server
+from python_backends.client import LLMClient, metric_sum
+from python_backends.launcher import ServerOptions, TritonServer, free_port
+from tests.e2e.conftest import ENGINE_DIR, Server
 
 pytestmark = pytest.mark.e2e
 LONG = 1500  # far more tokens than the test waits for
+# How requests reports a client-side read timeout (the client then drops the connection).
+TIMED_OUT = (requests.exceptions.Timeout, requests.exceptions.ConnectionError)
 
 
 def _stream(
@@ -81,3 +87,69 @@ def test_disconnect_on_the_disaggregated_path_frees_kv_in_every_group(
     assert sum(v for k, v in used.items() if ("model", "decode") in k) > 0
     events.close()
     assert server.wait_idle(timeout=30) == 0  # worker, prefill and decode
+
+
+def test_cancellation_storms_leave_nothing_in_flight(tmp_path: Path) -> None:
+    """Dropped SSE streams, cancelled gRPC streams and disconnected non-streaming requests, on a
+    server of its own: every one ends inside Triton too (Triton's shutdown finds no in-flight
+    inference) and the server then stops at once, well inside its exit timeout."""
+    log_file = tmp_path / "server.log"
+    opts = ServerOptions(http_port=free_port(), grpc_port=free_port(),
+                         metrics_port=free_port(), engine_dir=ENGINE_DIR, log_file=log_file,
+                         exit_timeout_s=60)
+    triton = TritonServer(opts)
+    triton.start()
+    try:
+        triton.wait_ready(timeout_s=600)
+        server = Server(opts, LLMClient(opts.http_url, timeout=60), log_file, triton)
+        _storm(server)
+        assert server.wait_idle(timeout=30) == 0
+        assert metric_sum(server.metrics(), "llm_num_requests_running") == 0
+    finally:
+        t0 = time.monotonic()
+        triton.stop()
+        stop_s = time.monotonic() - t0
+    log = log_file.read_text()
+    assert "Found 0 model versions that have in-flight inferences" in log
+    assert "in-flight inferences\"" not in log.replace(
+        "Found 0 model versions that have in-flight inferences\"", "")
+    assert stop_s < 20, f"the server took {stop_s:.0f} s to stop"
+    print(f"24 requests cancelled in 3 ways; server stopped in {stop_s:.1f} s")
+
+
+def _storm(server: Server) -> None:
+    def drop_sse(i: int) -> None:
+        events = server.client.stream(f"Story {i}: once upon a time", max_tokens=LONG,
+                                      end_id=-1)
+        for _ in range(3):
+            next(events)
+        events.close()
+
+    def disconnect(i: int) -> None:
+        client = LLMClient(server.options.http_url, timeout=1.5)
+        with pytest.raises(TIMED_OUT):
+            client.generate(f"Essay {i}: the history of", max_tokens=LONG, end_id=-1)
+
+    threads = [threading.Thread(target=f, args=(i,)) for i in range(8)
+               for f in (drop_sse, disconnect)]
+    for t in threads:
+        t.start()
+    streams = [_stream(server, f"Tale {i}: long ago") for i in range(8)]
+    for _, started in streams:
+        assert started.wait(120), "stream did not start"
+    for client, _ in streams:
+        client.stop_stream(cancel_requests=True)
+        client.close()
+    for t in threads:
+        t.join(120)
+
+
+def test_a_non_streaming_client_that_disconnects_frees_its_kv(server: Server) -> None:
+    """Nothing follows a non-streaming request's front step until its answer, so the front
+    probes it (front.liveness): the disconnect is seen within a probe interval."""
+    client = LLMClient(server.options.http_url, timeout=2.0)
+    with pytest.raises(TIMED_OUT):
+        client.generate("Write a very long essay about rivers", max_tokens=LONG, end_id=-1)
+    t0 = time.monotonic()
+    assert server.wait_idle(timeout=20) == 0
+    print(f"KV freed {time.monotonic() - t0:.2f}s after the client went away")
