@@ -3,6 +3,7 @@ tests need to know about processes they did not start themselves or cannot wait 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,14 @@ class Process:
         except OSError:
             return None
         return raw.decode(errors="replace").split("\0")[:-1]
+
+    def rss_bytes(self) -> int:
+        """Resident memory (0 if the process is gone)."""
+        try:
+            pages = int((PROC / str(self.pid) / "statm").read_text().split()[1])
+        except (OSError, IndexError, ValueError):
+            return 0
+        return pages * os.sysconf("SC_PAGE_SIZE")
 
     def catches(self, signum: int) -> bool:
         """Whether the process has a handler for `signum` (False if it is gone): sending it a

@@ -68,3 +68,9 @@ def test_descendants_and_signal_handlers() -> None:
         child.kill()
         child.wait()
     assert not procfs.Process(child.pid, "Z", 0, 0).catches(signal.SIGUSR2)
+
+
+def test_resident_memory_of_this_process() -> None:
+    me = procfs.process(os.getpid())
+    assert me is not None and 10 << 20 < me.rss_bytes() < 64 << 30
+    assert procfs.Process(2**22 + 7, "Z", 1, 1).rss_bytes() == 0  # gone

@@ -72,6 +72,24 @@ def load_hf(source: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Any
     return model, tokenizer
 
 
+def hf_greedy(engine_dir: str | Path, prompts: list[str], max_tokens: int) -> dict[str, list[int]]:
+    """Hugging Face's greedy output ids for each prompt, from the engine's source weights (not
+    from the engine): the reference every serving path must equal token for token."""
+    from transformers import AutoTokenizer
+
+    config = EngineConfig.load(Path(engine_dir))
+    model, _ = load_hf(config.source)
+    tokenizer = AutoTokenizer.from_pretrained(str(engine_dir))
+    outputs = {}
+    for p in prompts:
+        ids = tokenizer(p)["input_ids"]
+        out = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False,
+                             eos_token_id=list(config.tokenizer.eos_token_ids),
+                             pad_token_id=config.tokenizer.pad_token_id)
+        outputs[p] = out[0, len(ids):].tolist()
+    return outputs
+
+
 def model_config_from_hf(hf: Any) -> ModelConfig:
     if hf.model_type not in SUPPORTED_MODEL_TYPES:
         raise EngineConfigError(

@@ -10,6 +10,7 @@ from the ranks into it and an import scatters them out of it (see engine.ranks).
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,8 +24,16 @@ from python_backends.engine.sequence import Sequence, SequenceStatus
 from python_backends.kv_transfer.layout import KVLayout, allocate_pool
 from python_backends.params import FinishReason
 
+log = logging.getLogger(__name__)
+
 # Copies a handed-off sequence's KV into the given local blocks; False: not possible (recompute).
+# Raises BlocksInDoubt when a copy may still write into the blocks after it gave up.
 KVFetch = Callable[[list[int]], bool]
+
+
+class BlocksInDoubt(RuntimeError):
+    """A KV copy into local blocks could neither finish nor be stopped: the blocks may still be
+    written, so they are kept out of use for the engine's life (`quarantined`)."""
 
 
 @dataclass
@@ -48,6 +57,7 @@ class KVHandoff:
         self._scheduler = scheduler
         self._pool = pool
         self.imports: deque[KVImport] = deque()
+        self.quarantined: list[int] = []  # blocks a stuck copy may still write (BlocksInDoubt)
 
     @property
     def pool(self) -> torch.Tensor:
@@ -78,15 +88,25 @@ class KVHandoff:
                 break  # blocks free up as running sequences finish
             self.imports.popleft()
             blocks = self._blocks.allocate(need) if self._blocks.can_allocate(need) else None
-            if blocks is not None and item.fetch(blocks):
+            if blocks is not None and self._fetch(item, blocks):
                 if self._runner.group is not None:
                     self._runner.group.import_kv(self._runner.kv_pool, self.pool, blocks)
                 item.seq.block_table = blocks
                 item.seq.num_computed_tokens = item.num_kv_tokens
                 self._scheduler.prefix.cache_computed(item.seq)
-            elif blocks is not None:
+            elif blocks:
                 self._blocks.release(blocks)
             self._scheduler.add(item.seq)
+
+    def _fetch(self, item: KVImport, blocks: list[int]) -> bool:
+        try:
+            return item.fetch(blocks)
+        except BlocksInDoubt as e:
+            self.quarantined.extend(blocks)  # allocated for good: nothing else gets them
+            log.error("KV blocks %s quarantined (%d in all): %s", blocks, len(self.quarantined),
+                      e)
+            blocks.clear()  # so the caller does not release them
+            return False
 
     def export(self, blocks: list[int]) -> None:
         """Make `blocks` (of prefilled sequences about to be handed over) readable in `pool`."""

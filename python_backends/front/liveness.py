@@ -1,11 +1,12 @@
 """Knowing who is still there, in both directions of a request.
 
 Towards the client: Triton 2.51 tells the front nothing when a client goes away; only the
-ensemble step scheduled after the disconnect (postprocessing) is marked cancelled. A request that
-sends nothing for a while (a non-streaming one, or one waiting for its first token) would never
-learn it, so `IdleProber` sends each such request a probe now and then: an empty chunk, which
-postprocessing answers with no outputs (the client sees nothing) after raising the request's
-cancel flag if its client is gone.
+ensemble step scheduled after the cancellation (postprocessing) is marked cancelled. A request
+that sends nothing for a while (waiting for its first token) would not learn it, so
+`IdleProber` sends each such request a probe now and then: an empty chunk, which the decoupled
+postprocessing ends with no response (the client sees nothing) after raising the request's
+cancel flag if its client is gone. (A `/generate` client's disconnect stays unseen: Triton's HTTP
+front-end notices a closed connection only when it writes; docs/platform.md.)
 
 Towards the engine: Triton 2.51 never ends the calls an engine stub held when it died. Each
 engine records its pid on the front's board when a request reaches it (flag_board.hold), and

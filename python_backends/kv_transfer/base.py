@@ -32,6 +32,9 @@ class Failure(enum.Enum):
     TIMEOUT = "timeout"
     EXPIRED = "expired"  # the lease ran out before the copy completed
     LAYOUT = "layout"  # the blocks' layout does not fit the receiver
+    # A copy that neither finished nor stopped when cancelled: it may still write into the
+    # destination blocks, which must never be used again (see engine.kv_handoff).
+    IN_DOUBT = "in_doubt"
 
 
 class TransferError(RuntimeError):

@@ -98,11 +98,12 @@ class NixlSink(KVSink):
 
     def __init__(
         self, layout: KVLayout, pool: torch.Tensor, name: str, boards: BoardCache,
-        timeout_s: float = 5.0,
+        timeout_s: float = 5.0, cancel_grace_s: float = 10.0,
     ) -> None:
         super().__init__(layout, boards)
         self.agent = Agent(name, pool)
         self.timeout_s = timeout_s
+        self.cancel_grace_s = cancel_grace_s
         self._peers: set[str] = set()
         self._releases: dict[str, list[int]] = {}  # peer -> tickets pulled, not yet released
 
@@ -130,22 +131,35 @@ class NixlSink(KVSink):
                 a.get_xfer_descs(remote, str(loc["mem_type"])), peer,
             )
             try:
-                state = a.transfer(xfer)
-                deadline = time.monotonic() + self.timeout_s
-                spins = 0
-                while state == "PROC":
-                    if time.monotonic() > deadline:
-                        raise TransferError(Failure.TIMEOUT,
-                                            f"NIXL READ from {peer} took over {self.timeout_s} s")
-                    spins += 1
-                    if spins > 200:
-                        time.sleep(0.0001)
-                    state = a.check_xfer_state(xfer)
+                state = self._wait(a, xfer, a.transfer(xfer), self.timeout_s)
+                if state == "PROC":
+                    # Too slow. Cancelling (releasing the handle) does not stop bytes already
+                    # on their way into our blocks, so first wait for the READ to end by itself.
+                    state = self._wait(a, xfer, state, self.cancel_grace_s)
+                    if state == "PROC":
+                        raise TransferError(Failure.IN_DOUBT, (
+                            f"NIXL READ from {peer} still running {self.timeout_s} + "
+                            f"{self.cancel_grace_s} s after it started; cancelled, its blocks "
+                            "are never reused"))
+                    raise TransferError(Failure.TIMEOUT,
+                                        f"NIXL READ from {peer} took over {self.timeout_s} s")
                 if state != "DONE":
                     raise TransferError(Failure.ERROR, f"NIXL READ from {peer} failed: {state}")
             finally:
-                a.release_xfer_handle(xfer)
+                a.release_xfer_handle(xfer)  # cancels the READ if it still runs
         self._releases.setdefault(peer, []).append(handle.release_ticket)
+
+    @staticmethod
+    def _wait(agent: Any, xfer: Any, state: str, seconds: float) -> str:
+        """Poll a transfer while it is in progress ("PROC"), for at most `seconds`."""
+        deadline = time.monotonic() + seconds
+        spins = 0
+        while state == "PROC" and time.monotonic() <= deadline:
+            spins += 1
+            if spins > 200:
+                time.sleep(0.0001)
+            state = agent.check_xfer_state(xfer)
+        return str(state)
 
     def flush(self) -> None:
         if not self._releases:

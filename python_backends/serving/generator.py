@@ -22,12 +22,13 @@ import triton_python_backend_utils as pb_utils
 
 from python_backends.diagnostics import enable_stack_dumps
 from python_backends.engine.engine_loop import EngineListener, EngineLoop
+from python_backends.engine.kv_handoff import BlocksInDoubt
 from python_backends.engine.llm_engine import LLMEngine, TokenEvent
 from python_backends.engine.ranks import RankFailure
 from python_backends.engine.sequence import Sequence
 from python_backends.engine.waiting_queue import PriorityFairQueue
 from python_backends.flag_board import BoardCache, FlagBoard
-from python_backends.kv_transfer.base import KVHandle, TransferError, abandon
+from python_backends.kv_transfer.base import Failure, KVHandle, TransferError, abandon
 from python_backends.kv_transfer.factory import TransportUnavailable, make_sinks
 from python_backends.params import FinishReason
 from python_backends.serving.common import (
@@ -157,6 +158,10 @@ class GeneratorModel(EngineListener):
             except TransferError as e:
                 reason = e.kind.value
                 log.warning("KV pull from %s failed (%s); recomputing", handle.owner, e)
+                if e.kind is Failure.IN_DOUBT:
+                    abandon(handle, self._boards)
+                    self.kv_metrics.failed(handle.transport, reason)
+                    raise BlocksInDoubt(str(e)) from e
             except Exception:
                 reason = "error"
                 log.exception("KV pull from %s failed; recomputing", handle.owner)

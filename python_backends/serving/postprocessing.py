@@ -1,18 +1,23 @@
 """`postprocessing`: a ClientChunk's token window to text (stateless; see
 python_backends.detokenizer), answered as the ensemble's outputs. A probe chunk, or any chunk
-of a client that went away, gets a response with no outputs."""
+of a client that went away, ends with no response (the client sees nothing)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-import triton_python_backend_utils as pb_utils
 from transformers import AutoTokenizer
 
 from python_backends.detokenizer import incremental_text
 from python_backends.diagnostics import enable_stack_dumps
 from python_backends.flag_board import BoardCache
-from python_backends.serving.common import ModelArgs, inputs_of, response
+from python_backends.serving.common import (
+    FINAL,
+    ModelArgs,
+    error_response,
+    inputs_of,
+    response,
+)
 from python_backends.wire import ClientChunk, ClientOutput
 
 
@@ -25,21 +30,26 @@ class PostprocessingModel:
     def finalize(self) -> None:
         self.boards.close()
 
-    def execute(self, requests: list[Any]) -> list[Any]:
-        responses = []
+    def execute(self, requests: list[Any]) -> None:
+        # Decoupled, so that a request can end with no response at all: the ensemble then sends
+        # its client nothing. (A response with no outputs would still reach the client, as an
+        # empty one, and an error would stop the 2.51 ensemble counting its steps; see
+        # docs/platform.md.)
         for request in requests:
-            chunk = ClientChunk.decode(inputs_of(request))
+            sender = request.get_response_sender()
+            try:
+                chunk = ClientChunk.decode(inputs_of(request))
+            except Exception as e:  # a bug in the front: answer it, keep serving
+                sender.send(error_response(f"postprocessing: bad chunk: {e}"), flags=FINAL)
+                continue
             if request.is_cancelled():
                 # The ensemble marks this step's request when the client went away; tell the
                 # front and the engine through the cancel board (see flag_board).
                 self.boards.get(chunk.cancel_board).cancel(chunk.cancel_ticket)
             if request.is_cancelled() or chunk.is_probe:
-                # No outputs: the ensemble sends the client nothing. Never an error: Triton
-                # 2.51's ensemble stops counting its steps after one, so the request would
-                # stay in flight for ever (docs/platform.md).
-                responses.append(pb_utils.InferenceResponse(output_tensors=[]))
+                sender.send(flags=FINAL)
                 continue
-            responses.append(response(ClientOutput(
+            sender.send(response(ClientOutput(
                 text_output=incremental_text(self.tokenizer, chunk.tokens, chunk.prefix_len),
                 finish_reason=chunk.finish_reason,
                 num_input_tokens=chunk.num_input_tokens,
@@ -47,5 +57,5 @@ class PostprocessingModel:
                 cum_log_probs=chunk.cum_log_prob,
                 output_log_probs=chunk.output_log_probs,
                 output_ids=chunk.output_ids,
-            ), batched=True))
-        return responses
+            ), batched=True), flags=FINAL)
+        return None

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from python_backends import procfs
 from python_backends.client import LLMClient, metric_sum, scrape
@@ -158,20 +157,10 @@ def hf_greedy(prompts: list[str], max_tokens: int) -> Reference:
     """Hugging Face greedy generate on the GGUF itself (not on our engine's weights)."""
     from transformers import AutoTokenizer
 
-    from python_backends.config import EngineConfig
-    from python_backends.engine.builder import load_hf
+    from python_backends.engine import builder
 
-    config = EngineConfig.load(ENGINE_DIR)
-    model, _ = load_hf(config.source)
-    tokenizer = AutoTokenizer.from_pretrained(str(ENGINE_DIR))
-    outputs = {}
-    for p in prompts:
-        ids = tokenizer(p)["input_ids"]
-        out = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False,
-                             eos_token_id=list(config.tokenizer.eos_token_ids),
-                             pad_token_id=config.tokenizer.pad_token_id)
-        outputs[p] = out[0, len(ids):].tolist()
-    return Reference(tokenizer, outputs)
+    return Reference(AutoTokenizer.from_pretrained(str(ENGINE_DIR)),
+                     builder.hf_greedy(ENGINE_DIR, prompts, max_tokens))
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,5 @@
-"""Client cancellation (gRPC stream cancel, SSE disconnect, a non-streaming client's
-disconnect) frees the sequence's KV blocks and ends the request inside Triton."""
+"""Client cancellation (gRPC stream cancel, SSE disconnect) frees the sequence's KV blocks, and
+every request (a non-streaming one whose client left included) ends inside Triton."""
 
 from __future__ import annotations
 
@@ -90,9 +90,9 @@ def test_disconnect_on_the_disaggregated_path_frees_kv_in_every_group(
 
 
 def test_cancellation_storms_leave_nothing_in_flight(tmp_path: Path) -> None:
-    """Dropped SSE streams, cancelled gRPC streams and disconnected non-streaming requests, on a
-    server of its own: every one ends inside Triton too (Triton's shutdown finds no in-flight
-    inference) and the server then stops at once, well inside its exit timeout."""
+    """Dropped SSE streams, cancelled gRPC streams and non-streaming requests whose clients
+    left, on a server of its own: every one ends inside Triton too (Triton's shutdown finds no
+    in-flight inference) and the server then stops at once, well inside its exit timeout."""
     log_file = tmp_path / "server.log"
     opts = ServerOptions(http_port=free_port(), grpc_port=free_port(),
                          metrics_port=free_port(), engine_dir=ENGINE_DIR, log_file=log_file,
@@ -126,9 +126,10 @@ def _storm(server: Server) -> None:
         events.close()
 
     def disconnect(i: int) -> None:
-        client = LLMClient(server.options.http_url, timeout=1.5)
+        # Triton 2.51 never notices this (docs/platform.md): the request runs to its end.
+        client = LLMClient(server.options.http_url, timeout=0.5)
         with pytest.raises(TIMED_OUT):
-            client.generate(f"Essay {i}: the history of", max_tokens=LONG, end_id=-1)
+            client.generate(f"Essay {i}: the history of", max_tokens=64, end_id=-1)
 
     threads = [threading.Thread(target=f, args=(i,)) for i in range(8)
                for f in (drop_sse, disconnect)]
@@ -144,12 +145,30 @@ def _storm(server: Server) -> None:
         t.join(120)
 
 
-def test_a_non_streaming_client_that_disconnects_frees_its_kv(server: Server) -> None:
-    """Nothing follows a non-streaming request's front step until its answer, so the front
-    probes it (front.liveness): the disconnect is seen within a probe interval."""
-    client = LLMClient(server.options.http_url, timeout=2.0)
-    with pytest.raises(TIMED_OUT):
-        client.generate("Write a very long essay about rivers", max_tokens=LONG, end_id=-1)
+def test_probes_never_reach_a_client_that_is_still_there(server: Server) -> None:
+    """Requests quiet for longer than the probe interval (non-streaming ones generating for
+    seconds, streams waiting behind long prompts) get exactly their answers: no empty response
+    and, for /generate, still exactly one."""
+    filler = " ".join(["A long and winding road leads to the sea."] * 40)
+    answers: list[dict[str, object]] = []
+    events: list[list[dict[str, object]]] = []
+
+    def unary(i: int) -> None:
+        answers.append(server.client.generate(f"Essay {i}:", max_tokens=96, end_id=-1))
+
+    def stream(i: int) -> None:
+        events.append(list(server.client.stream(f"{i} {filler}", max_tokens=8)))
+
+    threads = [threading.Thread(target=unary, args=(i,)) for i in range(4)]
+    threads += [threading.Thread(target=stream, args=(i,)) for i in range(4)]
     t0 = time.monotonic()
-    assert server.wait_idle(timeout=20) == 0
-    print(f"KV freed {time.monotonic() - t0:.2f}s after the client went away")
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert time.monotonic() - t0 > 2.0  # long enough to be probed
+    assert [a["num_output_tokens"] for a in answers] == [96] * 4
+    assert len(events) == 4
+    for stream_events in events:
+        assert stream_events and all(e["output_ids"] or e["finish_reason"]
+                                     for e in stream_events)

@@ -202,3 +202,28 @@ def _wait_released_or_expire(prefiller: Prefiller) -> None:
         for ticket in list(prefiller.leases._leases):
             prefiller.board.cancel(ticket)
     _wait_released(prefiller)
+
+
+def test_blocks_a_stuck_copy_may_still_write_are_never_reused(tiny_llama: TinyModel) -> None:
+    """A fetch that raises BlocksInDoubt (a NIXL READ that outlived its cancellation): the
+    sequence is recomputed in other blocks, and the doubtful ones stay allocated for good."""
+    from python_backends.engine.kv_handoff import BlocksInDoubt
+
+    engine = tiny_llama.engine()
+    prompt = prompts(1, seed=21, lo=20, hi=30)[0]
+    doubtful: list[int] = []
+
+    def stuck(blocks: list[int]) -> bool:
+        doubtful.extend(blocks)
+        raise BlocksInDoubt("a READ still running after its cancellation")
+
+    seq = Sequence("s", prompt, _params())
+    seq.continue_from([tiny_llama.greedy(prompt, 1)[0]], [0.0])
+    engine.handoff.add(seq, len(prompt), stuck)
+    out = [seq.output_ids[0]]
+    while engine.has_unfinished:
+        out += [ev.token_id for ev in engine.step()]
+        assert not set(seq.block_table) & set(doubtful)
+    assert out == tiny_llama.greedy(prompt, N_OUT)
+    assert doubtful and engine.handoff.quarantined == doubtful
+    assert engine.blocks.num_used == len(doubtful)  # held for the engine's life

@@ -116,3 +116,53 @@ def test_refusals_name_the_reason(kind: str, owner: Any) -> None:
     assert conn.poll(10) and conn.recv() is False
     sink.close()
     boards.close()
+
+
+class SlowAgent:
+    """A real NIXL agent whose READs stay in progress ("PROC") for `seconds`: a peer that
+    stopped answering, or answers late."""
+
+    def __init__(self, agent: Any, seconds: float) -> None:
+        self._agent = agent
+        self.done_at = time.monotonic() + seconds
+        self.released = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._agent, name)
+
+    def transfer(self, xfer: Any) -> str:
+        return "PROC"
+
+    def check_xfer_state(self, xfer: Any) -> str:
+        return "PROC" if time.monotonic() < self.done_at else "DONE"
+
+    def release_xfer_handle(self, xfer: Any) -> None:
+        self.released += 1
+        self._agent.release_xfer_handle(xfer)
+
+
+@pytest.mark.parametrize("kind", ["nixl"])
+@pytest.mark.parametrize(("seconds", "failure"), [(1e9, Failure.IN_DOUBT),
+                                                  (0.15, Failure.TIMEOUT)])
+def test_a_timed_out_nixl_read_is_waited_for_before_its_blocks_are_given_up(
+    owner: Any, kind: str, seconds: float, failure: Failure
+) -> None:
+    """Past its timeout a READ gets a grace period to end by itself. One that ends is a plain
+    timeout (the blocks may be reused); one that still runs is cancelled and reported IN_DOUBT,
+    so the engine never reuses its blocks (engine.kv_handoff.BlocksInDoubt)."""
+    if not nixl.available():
+        pytest.skip("nixl-cu12 not installed")
+    handle, _src, conn = owner
+    boards = BoardCache()
+    layout = KVLayout(**{**LAYOUT.to_dict(), "num_blocks": 16})
+    sink = nixl.NixlSink(layout, allocate_pool(layout), nixl.agent_name("test-puller"), boards,
+                         timeout_s=0.05, cancel_grace_s=0.3)
+    slow = SlowAgent(sink.agent.agent, seconds)
+    sink.agent.agent = slow  # type: ignore[assignment]
+    with pytest.raises(TransferError) as info:
+        sink.fetch(handle, [0, 1, 2, 3])
+    assert info.value.kind is failure and slow.released == 1
+    sink.abandon(handle)
+    assert conn.poll(10) and conn.recv() is False  # the lease is given back at once
+    sink.close()
+    boards.close()

@@ -1,0 +1,397 @@
+"""A bounded soak: a server of its own, on loopback, at saturation, under a fault schedule, with
+every request accounted for. `scripts/soak.py` is its command line.
+
+Client threads send, until the duration is over, a mix of greedy streaming and non-streaming
+requests on every route (compared token for token with Hugging Face's greedy output), long
+prompts, streams dropped mid-way, non-streaming clients that go away, bad inputs, requests of a
+rate-limited tenant, handoffs with injected NIXL failures and sampled requests. Meanwhile the
+fault schedule kills, at even intervals, the worker, decode and prefill stubs, a rank of a
+parallel worker (with --worker-tp) and the front's stub.
+
+Each request ends in one outcome (`Outcome`). None may be `hung`, `mismatched`, `server_error`
+or `unexpected`. `lost_with_front` is separate: requests in flight in the front's stub when it
+was killed, which Triton 2.51 never fails (their clients' own timeouts end them;
+docs/operations.md). At the end the soak waits for the engines to go idle and reports the KV
+blocks still held, the migrations, and each server process's resident memory against its size
+after warm-up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import os
+import random
+import signal
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import requests
+
+from python_backends import procfs
+from python_backends.client import GenerateError, LLMClient, as_list, metric_sum, scrape
+from python_backends.launcher import TritonServer
+from python_backends.watchdog import live_stubs
+
+PROMPTS = [
+    "The capital of France is",
+    "La recette de la crêpe bretonne commence par",
+    "中国的首都是",
+    "def fibonacci(n):",
+    "Write a short poem about the sea.",
+    "List the planets of the solar system:",
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+    "Once upon a time, in a small village,",
+]
+FILLER = " ".join(["The quick brown fox jumps over the lazy dog."] * 30)
+LONG_PROMPTS = [f"{p}\n{FILLER}\n{p}" for p in PROMPTS[:3]]
+MAX_TOKENS = 24
+LIMITED_TENANT = "soak-limited"
+RATE_LIMITS = {LIMITED_TENANT: {"requests_per_s": 0.2, "burst_requests": 1}}
+BAD_INPUTS: list[dict[str, Any]] = [
+    {"text_input": ""},
+    {"text_input": "hi", "max_tokens": -3},
+    {"text_input": "hi", "temperature": -1.0},
+    {"text_input": "hi", "top_p": 1.5},
+    {"text_input": "hi", "max_token": 5},  # misspelt: refused by name
+    {"text_input": "hi", "route": "sideways"},
+    {"text_input": "x " * 20000},  # longer than the engine takes
+]
+# The request mix: (kind, weight).
+MIX = (("stream", 4), ("unary", 3), ("long", 1), ("drop_stream", 1), ("disconnect", 1),
+       ("bad_input", 1), ("limited", 1), ("kv_fault", 1), ("sampled", 1))
+FAULTS = ("worker", "decode", "prefill", "rank", "front")
+
+
+class Outcome(enum.Enum):
+    COMPLETED = "completed"  # answered (greedy answers equal to the reference)
+    MISMATCHED = "mismatched"  # a greedy answer that differs from the reference
+    CANCELLED = "cancelled"  # the client went away on purpose
+    REFUSED = "refused"  # bad input or the rate limit: a clear client error, as expected
+    FAILED_CLEARLY = "failed_clearly"  # ended with a clear error (a fault, no engine left)
+    SERVER_ERROR = "server_error"  # HTTP 5xx, or a refusal of a valid request with no message
+    LOST_WITH_FRONT = "lost_with_front"  # held by the front's stub when it was killed
+    HUNG = "hung"  # no answer within the client's timeout
+    UNEXPECTED = "unexpected"  # the soak itself failed to classify it
+
+
+BAD_OUTCOMES = (Outcome.MISMATCHED, Outcome.SERVER_ERROR, Outcome.HUNG, Outcome.UNEXPECTED)
+
+
+@dataclass
+class SoakOptions:
+    duration_s: float = 150.0
+    clients: int = 8
+    request_timeout_s: float = 60.0
+    faults: tuple[str, ...] = FAULTS
+    seed: int = 0
+    warmup_s: float = 30.0  # resident memory is compared with its size this long after start
+
+
+@dataclass
+class Tally:
+    counts: Counter[str] = field(default_factory=Counter)
+    by_kind: Counter[str] = field(default_factory=Counter)
+    examples: dict[str, list[str]] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, kind: str, outcome: Outcome, detail: str = "") -> None:
+        with self.lock:
+            self.counts[outcome.value] += 1
+            self.by_kind[f"{kind}/{outcome.value}"] += 1
+            if detail and outcome is not Outcome.COMPLETED:
+                shown = self.examples.setdefault(outcome.value, [])
+                if len(shown) < 5:
+                    shown.append(f"{kind}: {detail[:200]}")
+
+
+class FaultLog:
+    """When each fault struck; `front_killed_during` tells a lost request from a hung one."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[float, str, str]] = []  # (time, fault, what happened)
+
+    def record(self, fault: str, what: str) -> None:
+        self.events.append((time.monotonic(), fault, what))
+        print(f"[soak] fault {fault}: {what}", flush=True)
+
+    def front_killed_during(self, start: float, end: float) -> bool:
+        return any(f == "front" and start <= t <= end and w.startswith("killed")
+                   for t, f, w in self.events)
+
+
+class Soak:
+    def __init__(self, triton: TritonServer, reference: dict[str, list[int]],
+                 options: SoakOptions) -> None:
+        self.triton = triton
+        self.reference = reference
+        self.options = options
+        self.tally = Tally()
+        self.faults = FaultLog()
+        self.memory = MemoryWatch(options.warmup_s)
+        self._stop = threading.Event()
+
+    @property
+    def server_pid(self) -> int:
+        assert self.triton.process is not None
+        return self.triton.process.pid
+
+    def run(self) -> dict[str, Any]:
+        start = time.monotonic()
+        clients = [threading.Thread(target=self._client, args=(i,), name=f"soak-client-{i}")
+                   for i in range(self.options.clients)]
+        for t in clients:
+            t.start()
+        self._fault_schedule(start)
+        self._stop.set()
+        for t in clients:
+            t.join(self.options.request_timeout_s + 30)
+        return self._report(time.monotonic() - start, any(t.is_alive() for t in clients))
+
+    def _fault_schedule(self, start: float) -> None:
+        faults = self.options.faults
+        duration = self.options.duration_s
+        times = [start + duration * (i + 1) / (len(faults) + 1) for i in range(len(faults))]
+        for at, fault in zip(times, faults, strict=True):
+            while time.monotonic() < at:
+                self.memory.sample(self.server_pid)
+                time.sleep(min(2.0, max(0.0, at - time.monotonic())))
+            self.faults.record(fault, inject(fault, self.server_pid))
+        while time.monotonic() < start + duration:
+            self.memory.sample(self.server_pid)
+            time.sleep(2.0)
+
+    def _client(self, index: int) -> None:
+        rng = random.Random(self.options.seed * 1000 + index)
+        client = LLMClient(self.triton.options.http_url, timeout=self.options.request_timeout_s)
+        kinds, weights = zip(*MIX, strict=True)
+        while not self._stop.is_set():
+            kind = rng.choices(kinds, weights)[0]
+            start = time.monotonic()
+            try:
+                outcome, detail = REQUESTS[kind](self, client, rng)
+            except (requests.Timeout, requests.ConnectionError) as e:
+                lost = self.faults.front_killed_during(start, time.monotonic())
+                outcome, detail = (Outcome.LOST_WITH_FRONT if lost else Outcome.HUNG), repr(e)
+            except Exception as e:
+                outcome, detail = Outcome.UNEXPECTED, repr(e)
+            self.tally.add(kind, outcome, detail)
+
+    def greedy_outcome(self, prompt: str, ids: list[int]) -> tuple[Outcome, str]:
+        want = self.reference[prompt]
+        if ids == want:
+            return Outcome.COMPLETED, ""
+        return Outcome.MISMATCHED, f"{prompt[:40]!r}: got {ids}, want {want}"
+
+    def _report(self, elapsed: float, clients_stuck: bool) -> dict[str, Any]:
+        url = self.triton.options.metrics_url
+        deadline = time.monotonic() + 60
+        while (held := metric_sum(scrape(url), "llm_kv_cache_blocks_used")) and (
+                time.monotonic() < deadline):
+            time.sleep(1.0)
+        metrics = scrape(url)
+        self.memory.sample(self.server_pid)
+        report: dict[str, Any] = {
+            "duration_s": round(elapsed, 1),
+            "sent": sum(self.tally.counts.values()),
+            "outcomes": {o.value: self.tally.counts.get(o.value, 0) for o in Outcome},
+            "by_kind": dict(sorted(self.tally.by_kind.items())),
+            "examples": self.tally.examples,
+            "faults": [{"at_s": round(t - self.faults.events[0][0], 1) if self.faults.events
+                        else 0, "fault": f, "what": w} for t, f, w in self.faults.events],
+            "kv_blocks_held_at_end": held,
+            "migrations": metric_sum(metrics, "llm_request_migrations_total"),
+            "unserved": metric_sum(metrics, "llm_requests_unserved_total"),
+            "memory": self.memory.report(),
+            "clients_stuck": clients_stuck,
+        }
+        report["ok"] = not clients_stuck and held == 0 and all(
+            report["outcomes"][o.value] == 0 for o in BAD_OUTCOMES)
+        return report
+
+
+def inject(fault: str, server_pid: int) -> str:
+    """Strike one fault; returns what happened."""
+    if fault == "rank":
+        ranks = [p for p in procfs.running_descendants(server_pid)
+                 if "python_backends.engine.ranks" in (p.cmdline() or [])]
+        if not ranks:
+            return "skipped: no engine runs on more than one rank (see --worker-tp)"
+        os.kill(ranks[0].pid, signal.SIGKILL)
+        return f"killed engine rank pid {ranks[0].pid}"
+    stubs = [s for s in live_stubs(server_pid) if s.model == fault]
+    if not stubs:
+        return "skipped: no live stub"
+    os.kill(stubs[0].pid, signal.SIGKILL)
+    return f"killed {stubs[0].instance} (pid {stubs[0].pid})"
+
+
+def _greedy_inputs(rng: random.Random) -> dict[str, Any]:
+    return {"max_tokens": MAX_TOKENS, "exclude_input_in_output": True,
+            "route": rng.choice(["auto", "aggregated", "disaggregated"])}
+
+
+def _error_outcome(e: GenerateError) -> tuple[Outcome, str]:
+    if e.status >= 500 or not e.message:
+        return Outcome.SERVER_ERROR, f"HTTP {e.status}: {e.message}"
+    return Outcome.FAILED_CLEARLY, e.message
+
+
+def _stream(soak: Soak, client: LLMClient, rng: random.Random) -> tuple[Outcome, str]:
+    prompt = rng.choice(PROMPTS)
+    try:
+        ids: list[int] = []
+        for event in client.stream(prompt, **_greedy_inputs(rng)):
+            ids.extend(as_list(event.get("output_ids", [])))
+    except GenerateError as e:
+        return _error_outcome(e)
+    return soak.greedy_outcome(prompt, ids)
+
+
+def _unary(soak: Soak, client: LLMClient, rng: random.Random, prompts: list[str] = PROMPTS,
+           **extra: Any) -> tuple[Outcome, str]:
+    prompt = rng.choice(prompts)
+    try:
+        out = client.generate(prompt, **{**_greedy_inputs(rng), **extra})
+    except GenerateError as e:
+        return _error_outcome(e)
+    return soak.greedy_outcome(prompt, as_list(out["output_ids"]))
+
+
+def _drop_stream(soak: Soak, client: LLMClient, rng: random.Random) -> tuple[Outcome, str]:
+    events = client.stream(rng.choice(PROMPTS), max_tokens=400, end_id=-1)
+    wanted = rng.randint(1, 4)
+    try:
+        for n, _ in enumerate(events, 1):
+            if n == wanted:
+                break
+    except GenerateError as e:
+        return _error_outcome(e)
+    finally:
+        events.close()  # drops the connection
+    return Outcome.CANCELLED, ""
+
+
+def _disconnect(soak: Soak, client: LLMClient, rng: random.Random) -> tuple[Outcome, str]:
+    impatient = LLMClient(client.base_url, timeout=rng.uniform(0.5, 2.0))
+    try:
+        impatient.generate(rng.choice(PROMPTS), max_tokens=400, end_id=-1)
+    except GenerateError as e:
+        return _error_outcome(e)
+    except (requests.Timeout, requests.ConnectionError):
+        return Outcome.CANCELLED, ""
+    return Outcome.COMPLETED, ""
+
+
+def _bad_input(soak: Soak, client: LLMClient, rng: random.Random) -> tuple[Outcome, str]:
+    body = dict(rng.choice(BAD_INPUTS))
+    try:
+        client.generate(body.pop("text_input"), **body)
+    except GenerateError as e:
+        if e.status == 400 and e.message:
+            return Outcome.REFUSED, ""
+        return Outcome.SERVER_ERROR, f"HTTP {e.status} for {body}: {e.message}"
+    return Outcome.SERVER_ERROR, f"accepted a bad input: {body}"
+
+
+def _limited(soak: Soak, client: LLMClient, rng: random.Random) -> tuple[Outcome, str]:
+    outcome, detail = _unary(soak, client, rng, tenant=LIMITED_TENANT)
+    if outcome is Outcome.FAILED_CLEARLY and "rate limit" in detail:
+        return Outcome.REFUSED, ""
+    return outcome, detail
+
+
+def _kv_fault(soak: Soak, client: LLMClient, rng: random.Random) -> tuple[Outcome, str]:
+    return _unary(soak, client, rng, route="disaggregated",
+                  kv_fault=rng.choice(["transfer_error", "expire_lease"]))
+
+
+def _long(soak: Soak, client: LLMClient, rng: random.Random) -> tuple[Outcome, str]:
+    return _unary(soak, client, rng, prompts=LONG_PROMPTS)
+
+
+def _sampled(soak: Soak, client: LLMClient, rng: random.Random) -> tuple[Outcome, str]:
+    try:
+        client.generate(rng.choice(PROMPTS), max_tokens=MAX_TOKENS, temperature=0.8,
+                        top_p=0.9, seed=rng.randrange(1 << 31))
+    except GenerateError as e:
+        return _error_outcome(e)
+    return Outcome.COMPLETED, ""
+
+
+REQUESTS: dict[str, Callable[[Soak, LLMClient, random.Random], tuple[Outcome, str]]] = {
+    "stream": _stream, "unary": _unary, "long": _long, "drop_stream": _drop_stream,
+    "disconnect": _disconnect, "bad_input": _bad_input, "limited": _limited,
+    "kv_fault": _kv_fault, "sampled": _sampled,
+}
+
+
+class MemoryWatch:
+    """Resident memory of the server's processes: each one's size `warmup_s` after it was first
+    seen (its baseline), and its latest."""
+
+    def __init__(self, warmup_s: float) -> None:
+        self.warmup_s = warmup_s
+        self._seen: dict[int, tuple[str, float]] = {}  # pid -> (name, first seen)
+        self._baseline: dict[int, int] = {}
+        self._latest: dict[int, int] = {}
+
+    def sample(self, server_pid: int) -> None:
+        now = time.monotonic()
+        server = procfs.process(server_pid)
+        for proc in [*([server] if server else []), *procfs.running_descendants(server_pid)]:
+            _, since = self._seen.setdefault(proc.pid, (_name(proc), now))
+            rss = proc.rss_bytes()
+            if rss:
+                self._latest[proc.pid] = rss
+                if now - since >= self.warmup_s:
+                    self._baseline.setdefault(proc.pid, rss)
+
+    def report(self) -> list[dict[str, Any]]:
+        rows = []
+        for pid, base in self._baseline.items():
+            latest = self._latest.get(pid, base)
+            rows.append({"process": self._seen[pid][0], "pid": pid,
+                         "after_warmup_mb": round(base / 2**20, 1),
+                         "at_end_mb": round(latest / 2**20, 1),
+                         "growth_pct": round(100.0 * (latest - base) / base, 1)})
+        return sorted(rows, key=lambda r: str(r["process"]))
+
+
+def _name(proc: procfs.Process) -> str:
+    argv = proc.cmdline() or []
+    if argv and argv[0].endswith("tritonserver"):
+        return "tritonserver"
+    if len(argv) > 8 and argv[0].endswith("triton_python_backend_stub"):
+        return argv[8]
+    if "python_backends.engine.ranks" in argv:
+        return "engine rank"
+    return Path(argv[0]).name if argv else "?"
+
+
+def print_report(report: dict[str, Any]) -> None:
+    print(f"\nsoak: {report['sent']} requests in {report['duration_s']:.0f} s")
+    for name, count in report["outcomes"].items():
+        print(f"  {name:<16} {count}")
+    print(f"  migrations {report['migrations']:.0f}, unserved {report['unserved']:.0f}, "
+          f"KV blocks held at the end {report['kv_blocks_held_at_end']:.0f}")
+    print("fault schedule:")
+    for f in report["faults"]:
+        print(f"  {f['at_s']:>7.1f} s  {f['fault']:<8} {f['what']}")
+    print("resident memory (after warm-up -> at end):")
+    for row in report["memory"]:
+        print(f"  {row['process']:<16} {row['after_warmup_mb']:>8.1f} -> "
+              f"{row['at_end_mb']:>8.1f} MiB ({row['growth_pct']:+.1f}%)")
+    for outcome, shown in report["examples"].items():
+        print(f"examples of {outcome}:", *shown, sep="\n  ")
+    print("OK" if report["ok"] else "FAILED", flush=True)
+
+
+def as_json(report: dict[str, Any]) -> str:
+    return json.dumps(report, indent=2, default=lambda o: dataclasses.asdict(o))
