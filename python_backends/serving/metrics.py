@@ -206,7 +206,7 @@ class KVTransferMetrics:
     """KV handoff: pulls on the decode side (bytes, latency, failures, recomputes) and leases
     on the prefill side. The series of the given transports exist from the start, at 0."""
 
-    FAILURE_REASONS = ("error", "timeout", "expired", "layout", "unsupported")
+    FAILURE_REASONS = ("error", "timeout", "expired", "layout", "unsupported", "in_doubt")
 
     def __init__(self, model: str, instance: str, transports: list[str] | None = None) -> None:
         self._labels = {"model": model, "instance": instance}
