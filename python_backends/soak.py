@@ -206,6 +206,10 @@ class Soak:
             "faults": [{"at_s": round(t - self.faults.events[0][0], 1) if self.faults.events
                         else 0, "fault": f, "what": w} for t, f, w in self.faults.events],
             "kv_blocks_held_at_end": held,
+            "kv_blocks_held_by_instance": {
+                dict(labels).get("instance", "?"): value
+                for labels, value in metrics.get("llm_kv_cache_blocks_used", {}).items()
+                if value},
             "migrations": metric_sum(metrics, "llm_request_migrations_total"),
             "unserved": metric_sum(metrics, "llm_requests_unserved_total"),
             "memory": self.memory.report(),
@@ -380,7 +384,8 @@ def print_report(report: dict[str, Any]) -> None:
     for name, count in report["outcomes"].items():
         print(f"  {name:<16} {count}")
     print(f"  migrations {report['migrations']:.0f}, unserved {report['unserved']:.0f}, "
-          f"KV blocks held at the end {report['kv_blocks_held_at_end']:.0f}")
+          f"KV blocks held at the end {report['kv_blocks_held_at_end']:.0f} "
+          f"{report['kv_blocks_held_by_instance'] or ''}")
     print("fault schedule:")
     for f in report["faults"]:
         print(f"  {f['at_s']:>7.1f} s  {f['fault']:<8} {f['what']}")

@@ -233,10 +233,10 @@ class GeneratorModel(EngineListener):
         threading.Thread(target=self._exit_for_restart, name="restart", daemon=True).start()
 
     def _exit_for_restart(self, answer_within_s: float = 10.0) -> None:
-        deadline = time.monotonic() + answer_within_s
-        while self._callers and time.monotonic() < deadline:
-            time.sleep(0.05)
-        self.outbox.close(timeout=5.0)
+        # finalize stops the engine loop before zeroing the gauges: a step published after
+        # them would stay on the metrics port for good (Triton keeps a dead stub's series).
+        self.drain_timeout_s = min(self.drain_timeout_s, answer_within_s)
+        self.finalize()
         log.error("%s: a rank of the engine died; exiting so that the watchdog restarts this "
                   "instance", self.name)
         logging.shutdown()
