@@ -66,11 +66,19 @@ class Answers:
     """The responses of one decoupled BLS call, read by a daemon thread into a queue."""
 
     END = object()  # `next` returns it after the final response
+    _reading = 0  # readers still in their call (those of dead engines never leave it)
+    _count_lock = threading.Lock()
 
     def __init__(self, streams: BLSStreams, request: Any) -> None:
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        with Answers._count_lock:
+            Answers._reading += 1
         threading.Thread(target=self._read, args=(streams, request), name="bls-answers",
                          daemon=True).start()
+
+    @classmethod
+    def reading(cls) -> int:
+        return cls._reading
 
     def _read(self, streams: BLSStreams, request: Any) -> None:
         try:
@@ -80,6 +88,8 @@ class Answers:
             self._queue.put(e)
         finally:
             self._queue.put(self.END)
+            with Answers._count_lock:
+                Answers._reading -= 1
 
     def next(self, timeout: float) -> Any:
         """The next response, an exception the call raised, or END; raises queue.Empty after

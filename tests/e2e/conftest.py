@@ -14,10 +14,11 @@ from typing import Any
 import pytest
 
 from python_backends import procfs
-from python_backends.client import LLMClient, metric_sum, scrape
+from python_backends.client import GenerateError, LLMClient, metric_sum, scrape
 from python_backends.config import DEFAULT_ENGINE_DIR
 from python_backends.diagnostics import STACK_DUMP_SIGNAL
 from python_backends.launcher import ServerOptions, TritonServer, free_port
+from python_backends.watchdog import Stub, live_stubs
 
 ENGINE_DIR = Path(os.environ.get("LLM_ENGINE_DIR", DEFAULT_ENGINE_DIR))
 
@@ -105,6 +106,34 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         except Exception as e:  # the report must not hide the failure
             report.sections.append(("stub stacks and server log", f"unavailable: {e}"))
     return report
+
+
+def only_stub(server: Server, model: str, timeout: float = 30) -> Stub:
+    """The one stub of `model` (waiting for a previous version's to stop)."""
+    assert server.triton.process is not None
+    deadline = time.monotonic() + timeout
+    while len(stubs := [s for s in live_stubs(server.triton.process.pid)
+                        if s.model == model]) != 1:
+        assert time.monotonic() < deadline, stubs
+        time.sleep(0.1)
+    return stubs[0]
+
+
+def wait_restarted(server: Server, model: str, dead_pid: int, timeout: float = 120) -> None:
+    """The watchdog brought `model` back: a new stub, and a request on its path is served."""
+    assert server.triton.process is not None
+    route = "aggregated" if model == "worker" else "disaggregated"
+    deadline = time.monotonic() + timeout
+    while True:
+        stubs = [s for s in live_stubs(server.triton.process.pid) if s.model == model]
+        if stubs and dead_pid not in {s.pid for s in stubs}:
+            try:
+                server.client.generate(PROMPTS[0], max_tokens=2, route=route)
+                return
+            except GenerateError:
+                pass
+        assert time.monotonic() < deadline, f"{model} was not restarted"
+        time.sleep(0.5)
 
 
 @pytest.fixture(scope="session")

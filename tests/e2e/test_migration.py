@@ -17,7 +17,6 @@ import pytest
 from python_backends.client import GenerateError, LLMClient, as_list, metric_sum
 from python_backends.config import ParallelLayout
 from python_backends.engine.builder import reshard_engine
-from python_backends.watchdog import Stub, live_stubs
 from tests.e2e.conftest import (
     ENGINE_DIR,
     KILLED_BY_TESTS,
@@ -25,6 +24,8 @@ from tests.e2e.conftest import (
     Reference,
     Server,
     hf_greedy,
+    only_stub,
+    wait_restarted,
 )
 from tests.e2e.test_parallel import expect_ranks, rank_pids, worker_serving
 
@@ -75,39 +76,11 @@ class Streams:
             assert not t.is_alive(), "a stream hung"
 
 
-def only_stub(server: Server, model: str, timeout: float = 30) -> Stub:
-    """The one stub of `model` (waiting for a previous version's to stop)."""
-    assert server.triton.process is not None
-    deadline = time.monotonic() + timeout
-    while len(stubs := [s for s in live_stubs(server.triton.process.pid)
-                        if s.model == model]) != 1:
-        assert time.monotonic() < deadline, stubs
-        time.sleep(0.1)
-    return stubs[0]
-
-
 def kill_stub(server: Server, model: str) -> int:
     stub = only_stub(server, model)
     KILLED_BY_TESTS.add(stub.instance)
     os.kill(stub.pid, signal.SIGKILL)
     return stub.pid
-
-
-def wait_restarted(server: Server, model: str, dead_pid: int, timeout: float = 120) -> None:
-    """The watchdog brought `model` back: a new stub, and a request on its path is served."""
-    assert server.triton.process is not None
-    route = "aggregated" if model == "worker" else "disaggregated"
-    deadline = time.monotonic() + timeout
-    while True:
-        stubs = [s for s in live_stubs(server.triton.process.pid) if s.model == model]
-        if stubs and dead_pid not in {s.pid for s in stubs}:
-            try:
-                server.client.generate(PROMPTS[0], max_tokens=2, route=route)
-                return
-            except GenerateError:
-                pass
-        assert time.monotonic() < deadline, f"{model} was not restarted"
-        time.sleep(0.5)
 
 
 def migrations(server: Server) -> float:
