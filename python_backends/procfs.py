@@ -31,6 +31,14 @@ class Process:
             return None
         return raw.decode(errors="replace").split("\0")[:-1]
 
+    def start_ticks(self) -> int:
+        """When the process started, in clock ticks since boot (0 if it is gone)."""
+        try:
+            stat = (PROC / str(self.pid) / "stat").read_text()
+        except OSError:
+            return 0
+        return int(stat[stat.rindex(")") + 2:].split()[19])
+
     def rss_bytes(self) -> int:
         """Resident memory (0 if the process is gone)."""
         try:

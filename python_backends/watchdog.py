@@ -36,6 +36,7 @@ class Stub:
     pid: int
     model: str
     instance: str
+    started: int = 0  # start time (clock ticks since boot): the newest stub of an instance wins
 
 
 def live_stubs(server_pid: int) -> list[Stub]:
@@ -46,7 +47,7 @@ def live_stubs(server_pid: int) -> list[Stub]:
         if argv is None or len(argv) < 9 or not argv[0].endswith(STUB_BINARY):
             continue
         model_file = Path(argv[1])  # <repository>/<model>/<version>/model.py
-        stubs.append(Stub(proc.pid, model_file.parent.parent.name, argv[8]))
+        stubs.append(Stub(proc.pid, model_file.parent.parent.name, argv[8], proc.start_ticks()))
     return stubs
 
 
@@ -87,6 +88,7 @@ class StubWatchdog:
         self._missing_since: dict[str, float] = {}
         self._configs: dict[str, dict[str, Any]] = {}  # READY models' configs, as last read
         self._failed: set[str] = set()  # instances whose reload failed: reported once
+        self._newest: dict[str, int] = {}  # instance -> start time of its newest stub seen
         self.restarts: list[tuple[str, str]] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -99,7 +101,7 @@ class StubWatchdog:
         ready = self.repo.ready_models()
         self._configs = {m: c for m, c in self._configs.items() if m in ready}
         for model in ready:
-            running = {s.instance for s in stubs if s.model == model}
+            running = self._current(stubs, model)
             config = self._configs.get(model)
             if config is None or (config.get("backend") == "python"
                                   and expected_instances(config) != running):
@@ -131,6 +133,20 @@ class StubWatchdog:
                 self.restarts.append((instance, model))
             self.report(f"[watchdog] {model} reloaded")
         return list(dead)
+
+    def _current(self, stubs: list[Stub], model: str) -> set[str]:
+        """The instances of `model` whose newest stub runs. An old version's stub can linger
+        with the same instance name (its version cannot unload while Triton holds one of its
+        requests); it must not hide the death of the stub that replaced it."""
+        running = set()
+        for stub in stubs:
+            if stub.model != model:
+                continue
+            newest = self._newest.get(stub.instance, 0)
+            if stub.started >= newest:
+                self._newest[stub.instance] = stub.started
+                running.add(stub.instance)
+        return running
 
     def start(self, interval_s: float = 1.0) -> None:
         def run() -> None:

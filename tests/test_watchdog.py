@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from python_backends import procfs
 from python_backends.watchdog import STUB_BINARY, Stub, StubWatchdog, expected_instances, live_stubs
 from tests.conftest import Clock
 
@@ -102,8 +103,9 @@ def test_live_stubs_reads_the_process_table(tmp_path: Path) -> None:
     proc = subprocess.Popen([str(stub), str(model_file), "shm", "1", "1", str(os.getpid()),
                              "lib", "1", "front_0_0", "DEFAULT"])
     try:
+        started = procfs.Process(proc.pid, "S", 0, 0).start_ticks()
         assert _eventually(lambda: live_stubs(os.getpid()) ==
-                           [Stub(proc.pid, "front", "front_0_0")])
+                           [Stub(proc.pid, "front", "front_0_0", started)])
         os.kill(proc.pid, signal.SIGKILL)  # not reaped: a zombie
         assert _eventually(lambda: live_stubs(os.getpid()) == [])
     finally:
@@ -136,3 +138,20 @@ def test_configs_are_read_again_only_when_an_instance_is_missing() -> None:
     dog.check()
     clock.t = 10.0
     assert dog.check() == ["prefill"] and repo.config_reads > 2
+
+
+def test_a_lingering_old_stub_does_not_hide_the_death_of_its_successor() -> None:
+    """An old version's stub can outlive a reload with the same instance name; when the stub
+    that replaced it dies, the instance is dead all the same."""
+    clock = [0.0]
+    old, new = Stub(10, "front", "front_0_0", 100), Stub(20, "front", "front_0_0", 200)
+    stubs = [old, new]
+    repo = FakeRepo({"front": {"backend": "python", "name": "front",
+                               "instance_group": [{"count": 1, "kind": "KIND_CPU"}]}})
+    dog = StubWatchdog(1, repo, grace_s=3.0, report=lambda _m: None,
+                       stubs=lambda _pid: list(stubs), clock=lambda: clock[0])
+    assert dog.check() == []
+    stubs.remove(new)  # killed; the old one lingers
+    assert dog.check() == []
+    clock[0] = 5.0
+    assert dog.check() == ["front"]

@@ -108,6 +108,21 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     return report
 
 
+def newest_stub(server: Server, model: str) -> Stub:
+    """The stub of `model` started last: the serving one, when an old version's stub lingers
+    (an ensemble request Triton 2.51 never ends keeps the old version loaded: see
+    docs/operations.md, "When an engine dies")."""
+    assert server.triton.process is not None
+
+    def started(stub: Stub) -> int:
+        stat = Path(f"/proc/{stub.pid}/stat").read_text()
+        return int(stat[stat.rindex(")") + 2:].split()[19])  # field 22, starttime
+
+    stubs = [s for s in live_stubs(server.triton.process.pid) if s.model == model]
+    assert stubs, f"no {model} stub"
+    return max(stubs, key=started)
+
+
 def only_stub(server: Server, model: str, timeout: float = 30) -> Stub:
     """The one stub of `model` (waiting for a previous version's to stop)."""
     assert server.triton.process is not None

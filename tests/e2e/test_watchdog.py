@@ -21,7 +21,7 @@ from tests.e2e.conftest import (
     PROMPTS,
     Reference,
     Server,
-    only_stub,
+    newest_stub,
 )
 
 pytestmark = pytest.mark.e2e
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.e2e
 
 def test_killed_front_stub_is_restarted(server: Server, reference: Reference) -> None:
     assert server.triton.process is not None and server.triton.watchdog is not None
-    stub = only_stub(server, "front")  # a previous version may still be stopping
+    stub = newest_stub(server, "front")
     KILLED_BY_TESTS.add(stub.instance)
     os.kill(stub.pid, signal.SIGKILL)
     with pytest.raises(GenerateError, match="not healthy"):
@@ -45,7 +45,7 @@ def test_killed_front_stub_is_restarted(server: Server, reference: Reference) ->
             time.sleep(1.0)
     assert out["text_output"] == reference.text(PROMPTS[0])
     assert server.triton.watchdog.restarts[-1] == (stub.instance, "front")
-    new = only_stub(server, "front")
+    new = newest_stub(server, "front")
     assert new.pid != stub.pid
     log = server.log_file.read_text()
     assert f"[watchdog] {stub.instance}: stub process gone; reloading front" in log
@@ -77,7 +77,7 @@ def test_engines_keep_serving_after_the_front_dies_mid_stream(
                   for m in ("worker", "decode")):
         assert time.monotonic() < deadline, "the streams never reached the engines"
         time.sleep(0.2)
-    stub = only_stub(server, "front")  # a previous version may still be stopping
+    stub = newest_stub(server, "front")
     KILLED_BY_TESTS.add(stub.instance)
     os.kill(stub.pid, signal.SIGKILL)
     deadline = time.monotonic() + 90
