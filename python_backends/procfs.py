@@ -17,6 +17,7 @@ class Process:
     state: str  # R, S, D, Z (zombie: exited, not yet reaped), ...
     ppid: int
     pgrp: int
+    start_ticks: int = 0  # when it started, in clock ticks since boot
 
     @property
     def running(self) -> bool:
@@ -30,14 +31,6 @@ class Process:
         except OSError:
             return None
         return raw.decode(errors="replace").split("\0")[:-1]
-
-    def start_ticks(self) -> int:
-        """When the process started, in clock ticks since boot (0 if it is gone)."""
-        try:
-            stat = (PROC / str(self.pid) / "stat").read_text()
-        except OSError:
-            return 0
-        return int(stat[stat.rindex(")") + 2:].split()[19])
 
     def rss_bytes(self) -> int:
         """Resident memory (0 if the process is gone)."""
@@ -67,7 +60,7 @@ def process(pid: int | str) -> Process | None:
     except OSError:
         return None
     fields = stat[stat.rindex(")") + 2:].split()  # the command name may hold spaces
-    return Process(int(pid), fields[0], int(fields[1]), int(fields[2]))
+    return Process(int(pid), fields[0], int(fields[1]), int(fields[2]), int(fields[19]))
 
 
 def running(pid: int) -> bool:

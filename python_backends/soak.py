@@ -37,7 +37,7 @@ import requests
 from python_backends import procfs
 from python_backends.client import GenerateError, LLMClient, as_list, metric_sum, scrape
 from python_backends.launcher import TritonServer
-from python_backends.watchdog import live_stubs
+from python_backends.watchdog import live_stubs, stub_of
 
 PROMPTS = [
     "The capital of France is",
@@ -67,6 +67,7 @@ BAD_INPUTS: list[dict[str, Any]] = [
 MIX = (("stream", 4), ("unary", 3), ("long", 1), ("drop_stream", 1), ("disconnect", 1),
        ("bad_input", 1), ("limited", 1), ("kv_fault", 1), ("sampled", 1))
 FAULTS = ("worker", "decode", "prefill", "rank", "front")
+RANK_MODULE = "python_backends.engine.ranks"  # in the command line of an engine's ranks 1..N-1
 
 
 class Outcome(enum.Enum):
@@ -224,7 +225,7 @@ def inject(fault: str, server_pid: int) -> str:
     """Strike one fault; returns what happened."""
     if fault == "rank":
         ranks = [p for p in procfs.running_descendants(server_pid)
-                 if "python_backends.engine.ranks" in (p.cmdline() or [])]
+                 if RANK_MODULE in (p.cmdline() or [])]
         if not ranks:
             return "skipped: no engine runs on more than one rank (see --worker-tp)"
         os.kill(ranks[0].pid, signal.SIGKILL)
@@ -369,12 +370,11 @@ class MemoryWatch:
 
 
 def _name(proc: procfs.Process) -> str:
+    stub = stub_of(proc)
+    if stub is not None:
+        return stub.instance
     argv = proc.cmdline() or []
-    if argv and argv[0].endswith("tritonserver"):
-        return "tritonserver"
-    if len(argv) > 8 and argv[0].endswith("triton_python_backend_stub"):
-        return argv[8]
-    if "python_backends.engine.ranks" in argv:
+    if RANK_MODULE in argv:
         return "engine rank"
     return Path(argv[0]).name if argv else "?"
 

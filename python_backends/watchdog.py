@@ -39,16 +39,18 @@ class Stub:
     started: int = 0  # start time (clock ticks since boot): the newest stub of an instance wins
 
 
+def stub_of(proc: procfs.Process) -> Stub | None:
+    """The Python-backend stub `proc` is, None if it is another process (or gone)."""
+    argv = proc.cmdline()
+    if argv is None or len(argv) < 9 or not argv[0].endswith(STUB_BINARY):
+        return None
+    model_file = Path(argv[1])  # <repository>/<model>/<version>/model.py
+    return Stub(proc.pid, model_file.parent.parent.name, argv[8], proc.start_ticks)
+
+
 def live_stubs(server_pid: int) -> list[Stub]:
     """The Python-backend stubs of a tritonserver process that are running (not zombies)."""
-    stubs = []
-    for proc in procfs.running_children(server_pid):
-        argv = proc.cmdline()
-        if argv is None or len(argv) < 9 or not argv[0].endswith(STUB_BINARY):
-            continue
-        model_file = Path(argv[1])  # <repository>/<model>/<version>/model.py
-        stubs.append(Stub(proc.pid, model_file.parent.parent.name, argv[8], proc.start_ticks()))
-    return stubs
+    return [s for proc in procfs.running_children(server_pid) if (s := stub_of(proc))]
 
 
 def expected_instances(config: dict[str, Any]) -> set[str]:

@@ -103,7 +103,9 @@ def test_live_stubs_reads_the_process_table(tmp_path: Path) -> None:
     proc = subprocess.Popen([str(stub), str(model_file), "shm", "1", "1", str(os.getpid()),
                              "lib", "1", "front_0_0", "DEFAULT"])
     try:
-        started = procfs.Process(proc.pid, "S", 0, 0).start_ticks()
+        me = procfs.process(proc.pid)
+        assert me is not None
+        started = me.start_ticks
         assert _eventually(lambda: live_stubs(os.getpid()) ==
                            [Stub(proc.pid, "front", "front_0_0", started)])
         os.kill(proc.pid, signal.SIGKILL)  # not reaped: a zombie

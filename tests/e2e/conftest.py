@@ -113,14 +113,9 @@ def newest_stub(server: Server, model: str) -> Stub:
     (an ensemble request Triton 2.51 never ends keeps the old version loaded: see
     docs/operations.md, "When an engine dies")."""
     assert server.triton.process is not None
-
-    def started(stub: Stub) -> int:
-        stat = Path(f"/proc/{stub.pid}/stat").read_text()
-        return int(stat[stat.rindex(")") + 2:].split()[19])  # field 22, starttime
-
     stubs = [s for s in live_stubs(server.triton.process.pid) if s.model == model]
     assert stubs, f"no {model} stub"
-    return max(stubs, key=started)
+    return max(stubs, key=lambda s: s.started)
 
 
 def only_stub(server: Server, model: str, timeout: float = 30) -> Stub:
