@@ -94,19 +94,20 @@ class KVHandoff:
                 item.seq.block_table = blocks
                 item.seq.num_computed_tokens = item.num_kv_tokens
                 self._scheduler.prefix.cache_computed(item.seq)
-            elif blocks:
-                self._blocks.release(blocks)
             self._scheduler.add(item.seq)
 
     def _fetch(self, item: KVImport, blocks: list[int]) -> bool:
+        """Fill `blocks` through the import's fetch; on failure they go back to the free list,
+        or, when a copy may still write into them, out of use for good."""
         try:
-            return item.fetch(blocks)
+            if item.fetch(blocks):
+                return True
+            self._blocks.release(blocks)
         except BlocksInDoubt as e:
             self.quarantined.extend(blocks)  # allocated for good: nothing else gets them
             log.error("KV blocks %s quarantined (%d in all): %s", blocks, len(self.quarantined),
                       e)
-            blocks.clear()  # so the caller does not release them
-            return False
+        return False
 
     def export(self, blocks: list[int]) -> None:
         """Make `blocks` (of prefilled sequences about to be handed over) readable in `pool`."""

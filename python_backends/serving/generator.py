@@ -144,7 +144,7 @@ class GeneratorModel(EngineListener):
         handle, caller.handle = caller.handle, None
         assert handle is not None
         sink = self._sinks.get(handle.transport)
-        reason = ""
+        reason, in_doubt = "", None
         if sink is None:
             reason = "unsupported"
             log.warning("KV handle over %s, which this instance does not enable; recomputing",
@@ -159,14 +159,14 @@ class GeneratorModel(EngineListener):
                 reason = e.kind.value
                 log.warning("KV pull from %s failed (%s); recomputing", handle.owner, e)
                 if e.kind is Failure.IN_DOUBT:
-                    abandon(handle, self._boards)
-                    self.kv_metrics.failed(handle.transport, reason)
-                    raise BlocksInDoubt(str(e)) from e
+                    in_doubt = e
             except Exception:
                 reason = "error"
                 log.exception("KV pull from %s failed; recomputing", handle.owner)
         abandon(handle, self._boards)
         self.kv_metrics.failed(handle.transport, reason)
+        if in_doubt is not None:  # recompute, but in other blocks
+            raise BlocksInDoubt(str(in_doubt)) from in_doubt
         return False
 
     def is_cancelled(self, seq_id: str) -> bool:
