@@ -209,10 +209,10 @@ class GeneratorModel(EngineListener):
     def on_finished_early(self, seq_id: str, error: Exception | None) -> None:
         caller = self._callers.pop(seq_id)
         self._release_unpulled(caller)
+        if isinstance(error, RankFailure):  # whether or not anybody is left to answer
+            self._restart_soon()
         if caller_gone(self.outbox, caller.board):  # its front died: nobody to answer
             return
-        if isinstance(error, RankFailure):
-            self._restart_soon()
         if error is None:
             step = TokenStep([], [], FinishReason.CANCELLED.value, caller.num_prompt_tokens, 0)
         else:  # as data: the front would never see a Triton error after a first response
