@@ -69,9 +69,11 @@ def test_cancellation_and_refusal(tiny_llama: TinyModel) -> None:
     try:
         big = Sequence("big", list(range(1, 40)), SamplingParams(max_tokens=200))
         loop.submit(big)  # > 16 blocks
-        loop.submit(Sequence("a", [1, 2, 3], SamplingParams(max_tokens=40)))
-        loop.submit(Sequence("b", [4, 5, 6], SamplingParams(max_tokens=40)))
-        time.sleep(0.05)
+        # Each fits the 16 blocks alone (4 tokens a block); "b" may wait for "a"'s blocks.
+        loop.submit(Sequence("a", [1, 2, 3], SamplingParams(max_tokens=60)))
+        loop.submit(Sequence("b", [4, 5, 6], SamplingParams(max_tokens=60)))
+        with c.done:  # "a" is decoding (a fixed sleep let it finish on a busy machine)
+            assert c.done.wait_for(lambda: "a" in c.tokens, 30), c.finished
         cancelled.add("a")
         loop.abort("b")
         c.wait(3)
