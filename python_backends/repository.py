@@ -8,6 +8,7 @@ import copy
 import json
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
+from functools import partial
 from typing import Any
 from urllib.parse import urlparse
 
@@ -77,12 +78,14 @@ class TritonRepository:
 
     def reloaded(self, model: str, **parameters: str) -> AbstractContextManager[None]:
         """A context: `model` reloaded with these config parameters set (see `variant`)."""
+        return self.variant(model, partial(_set_parameters, parameters),
+                            f"with {', '.join(sorted(parameters))} changed")
 
-        def change(config: dict[str, Any]) -> None:
-            config.setdefault("parameters", {}).update(
-                {key: {"string_value": value} for key, value in parameters.items()})
-
-        return self.variant(model, change, f"with {', '.join(sorted(parameters))} changed")
+    def set_parameters(self, model: str, **parameters: str) -> None:
+        """Reload `model` with these config parameters set, for good (a server of its own)."""
+        config = self.config(model)
+        _set_parameters(parameters, config)
+        self.load(model, config, f"with {', '.join(sorted(parameters))} changed")
 
     @contextmanager
     def variant(self, model: str, change: Callable[[dict[str, Any]], None],
@@ -125,3 +128,8 @@ class TritonRepository:
         config = self.config(model)
         _force_reload(config, "restart_revision")
         self.load(model, config, "to restart it")
+
+
+def _set_parameters(parameters: dict[str, str], config: dict[str, Any]) -> None:
+    config.setdefault("parameters", {}).update(
+        {key: {"string_value": value} for key, value in parameters.items()})

@@ -143,6 +143,9 @@ class Soak:
         assert self.triton.process is not None
         return self.triton.process.pid
 
+    def server_alive(self) -> bool:
+        return self.triton.process is not None and self.triton.process.poll() is None
+
     def run(self) -> dict[str, Any]:
         start = time.monotonic()
         clients = [threading.Thread(target=self._client, args=(i,), name=f"soak-client-{i}")
@@ -160,11 +163,13 @@ class Soak:
         duration = self.options.duration_s
         times = [start + duration * (i + 1) / (len(faults) + 1) for i in range(len(faults))]
         for at, fault in zip(times, faults, strict=True):
-            while time.monotonic() < at:
+            while time.monotonic() < at and self.server_alive():
                 self.memory.sample(self.server_pid)
                 time.sleep(min(2.0, max(0.0, at - time.monotonic())))
+            if not self.server_alive():
+                return  # nothing left to soak: the report says so
             self.faults.record(fault, inject(fault, self.server_pid))
-        while time.monotonic() < start + duration:
+        while time.monotonic() < start + duration and self.server_alive():
             self.memory.sample(self.server_pid)
             time.sleep(2.0)
 
@@ -191,13 +196,11 @@ class Soak:
         return Outcome.MISMATCHED, f"{prompt[:40]!r}: got {ids}, want {want}"
 
     def _report(self, elapsed: float, clients_stuck: bool) -> dict[str, Any]:
-        url = self.triton.options.metrics_url
-        deadline = time.monotonic() + 60
-        while (held := metric_sum(scrape(url), "llm_kv_cache_blocks_used")) and (
-                time.monotonic() < deadline):
-            time.sleep(1.0)
-        metrics = scrape(url)
-        self.memory.sample(self.server_pid)
+        died = not self.server_alive()
+        metrics = {} if died else self._metrics_once_idle()
+        held = metric_sum(metrics, "llm_kv_cache_blocks_used")
+        if not died:
+            self.memory.sample(self.server_pid)
         report: dict[str, Any] = {
             "duration_s": round(elapsed, 1),
             "sent": sum(self.tally.counts.values()),
@@ -215,10 +218,20 @@ class Soak:
             "unserved": metric_sum(metrics, "llm_requests_unserved_total"),
             "memory": self.memory.report(),
             "clients_stuck": clients_stuck,
+            "server_died": died,
         }
-        report["ok"] = not clients_stuck and held == 0 and all(
+        report["ok"] = not died and not clients_stuck and held == 0 and all(
             report["outcomes"][o.value] == 0 for o in BAD_OUTCOMES)
         return report
+
+    def _metrics_once_idle(self, timeout_s: float = 60.0) -> dict[str, Any]:
+        """The server's metrics once its engines hold no KV block (or after `timeout_s`)."""
+        url = self.triton.options.metrics_url
+        deadline = time.monotonic() + timeout_s
+        while metric_sum(metrics := scrape(url), "llm_kv_cache_blocks_used") and (
+                time.monotonic() < deadline):
+            time.sleep(1.0)
+        return metrics
 
 
 def inject(fault: str, server_pid: int) -> str:
@@ -381,6 +394,8 @@ def _name(proc: procfs.Process) -> str:
 
 def print_report(report: dict[str, Any]) -> None:
     print(f"\nsoak: {report['sent']} requests in {report['duration_s']:.0f} s")
+    if report["server_died"]:
+        print("  TRITONSERVER DIED (see the end of its log above)")
     for name, count in report["outcomes"].items():
         print(f"  {name:<16} {count}")
     print(f"  migrations {report['migrations']:.0f}, unserved {report['unserved']:.0f}, "

@@ -11,7 +11,6 @@ differed from Hugging Face's, the server answered a 5xx, KV blocks stayed held, 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 import tempfile
@@ -77,17 +76,17 @@ def main(argv: list[str] | None = None) -> int:
                              log_file=log, exit_timeout_s=30)
         print(f"[soak] starting a server on 127.0.0.1:{opts.http_port} (log: {log}) ...",
               flush=True)
-        with TritonServer(opts) as triton, contextlib.ExitStack() as stack:
+        with TritonServer(opts) as triton:
             triton.wait_ready(timeout_s=600, progress=True)
-            repo = opts.repository()
-            stack.enter_context(repo.reloaded("front", rate_limits=json.dumps(RATE_LIMITS)))
+            repo = opts.repository()  # a server of its own: its variants need no undoing
+            repo.set_parameters("front", rate_limits=json.dumps(RATE_LIMITS))
             if args.worker_tp > 1:
                 from python_backends.config import ParallelLayout
 
                 engine = Path(tmp) / f"tp{args.worker_tp}"
                 reshard_engine(args.engine_dir, engine, ParallelLayout(tp=args.worker_tp),
                                log=print)
-                stack.enter_context(repo.reloaded("worker", engine_dir=str(engine)))
+                repo.set_parameters("worker", engine_dir=str(engine))
             faults = tuple(f for f in args.faults.split(",") if f)
             print(f"[soak] {args.duration:.0f} s, {args.clients} clients, faults: "
                   f"{', '.join(faults) or 'none'}", flush=True)
@@ -98,6 +97,10 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.monotonic()
             report = soak.run()
             print(f"[soak] done in {time.monotonic() - t0:.0f} s", flush=True)
+            if report["server_died"]:
+                print(f"[soak] tritonserver died; the end of its log ({log}):",
+                      *log.read_text(errors="replace").splitlines()[-80:], sep="\n  ",
+                      flush=True)
     if args.max_memory_growth is not None:
         grown = [r for r in report["memory"] if r["growth_pct"] > args.max_memory_growth]
         report["memory_ok"] = not grown

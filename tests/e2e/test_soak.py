@@ -25,7 +25,7 @@ def test_short_soak_under_faults(tmp_path: Path) -> None:
          "--request-timeout", "30", "--faults", "worker,decode,prefill,front",
          "--engine-dir", str(ENGINE_DIR), "--json", str(report_file)],
         capture_output=True, text=True, timeout=600, cwd=ROOT)
-    print(proc.stdout[-3000:])
+    print(proc.stdout[-8000:])
     assert report_file.is_file(), proc.stderr[-3000:]
     report = json.loads(report_file.read_text())
     outcomes = report["outcomes"]
