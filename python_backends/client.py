@@ -14,6 +14,8 @@ from typing import Any
 
 import requests
 
+from python_backends.wire import FINISH_ERROR
+
 
 class GenerateError(RuntimeError):
     def __init__(self, status: int, message: str) -> None:
@@ -80,8 +82,10 @@ class LLMClient:
                 if not line.startswith(b"data:"):
                     continue
                 event = json.loads(line[5:])
-                if "error" in event:
+                if "error" in event:  # Triton's error event: a failure before the first chunk
                     raise GenerateError(400, event["error"])
+                if event.get("finish_reason") == FINISH_ERROR:  # a failure after it
+                    raise GenerateError(r.status_code, event.get("error_message", ""))
                 yield event
 
     def stream_collect(self, text: str, **inputs: Any) -> StreamResult:

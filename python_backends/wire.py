@@ -28,6 +28,7 @@ import numpy as np
 from python_backends.params import SamplingParams
 
 DEFAULT_TENANT = "default"
+FINISH_ERROR = "error"  # the finish_reason of a stream that failed after its first chunk
 
 
 class Kind(enum.Enum):
@@ -267,12 +268,23 @@ class ClientChunk(Message):
     num_output_tokens: int = _tensor("NUM_OUTPUT_TOKENS", Kind.INT)
     cum_log_prob: float = _tensor("CUM_LOG_PROBS", Kind.FLOAT)
     output_log_probs: list[float] = _tensor("OUTPUT_LOG_PROBS", Kind.FLOATS)
+    # Why the request failed, with finish_reason "error": a failure after a stream's first
+    # chunk ends the stream as data (a Triton error then would hit the 2.51 ensemble bug, see
+    # docs/platform.md). "" otherwise.
+    error: str = _tensor("ERROR", Kind.TEXT)
 
     @classmethod
     def probe(cls, cancel_board: str, cancel_ticket: int) -> ClientChunk:
         """A chunk that reports nothing: it only asks postprocessing whether the client is
         still there (front.liveness)."""
-        return cls(cancel_board, cancel_ticket, [], 0, [], "", 0, 0, 0.0, [])
+        return cls(cancel_board, cancel_ticket, [], 0, [], "", 0, 0, 0.0, [], "")
+
+    def failed(self, message: str) -> ClientChunk:
+        """The final chunk of a stream that failed after this chunk: no new tokens, this
+        chunk's counts, finish_reason "error" and the message."""
+        return dataclasses.replace(self, tokens=[], prefix_len=0, output_ids=[],
+                                   output_log_probs=[], finish_reason=FINISH_ERROR,
+                                   error=message)
 
     @property
     def is_probe(self) -> bool:
@@ -291,6 +303,7 @@ class ClientOutput(Message):
     cum_log_probs: float = _tensor("cum_log_probs", Kind.FLOAT, variable=True)
     output_log_probs: list[float] = _tensor("output_log_probs", Kind.FLOATS, variable=True)
     output_ids: list[int] = _tensor("output_ids", Kind.INTS, variable=True)
+    error_message: str = _tensor("error_message", Kind.TEXT, variable=True)  # "" unless failed
 
 
 @dataclass(frozen=True)

@@ -79,8 +79,8 @@ MESSAGES: list[Message] = [
     TokenStep([7], [-0.25], "", 3, 1),
     TokenStep([], [], "cancelled", 3, 0),
     PrefillAnswer(11, -1.5, "", b"handle"),
-    ClientChunk("board", 3, [1, 2, 3], 1, [2, 3], "stop", 5, 2, -3.0, []),
-    ClientOutput("Paris. 中国", "length", 5, 2, -1.0, [-0.5, -0.5], [10, 11]),
+    ClientChunk("board", 3, [1, 2, 3], 1, [2, 3], "stop", 5, 2, -3.0, [], ""),
+    ClientOutput("Paris. 中国", "length", 5, 2, -1.0, [-0.5, -0.5], [10, 11], ""),
 ]
 
 

@@ -74,6 +74,7 @@ class RequestStream:
             num_output_tokens=len(self.output_ids),
             cum_log_prob=float(sum(self.logprobs)),
             output_log_probs=list(logprobs) if self.return_log_probs else [],
+            error="",
         )
 
     @property

@@ -83,7 +83,9 @@ def error_code(kind: str) -> Any:
 class ClientLink:
     """One request's link to its client. Every response goes through it, under a lock, so
     exactly one carries the final flag (Triton counts the request in flight until then) and a
-    probe (front.liveness) never follows it."""
+    probe (front.liveness) never follows it. A failure after the first streamed chunk ends the
+    stream as data (finish_reason "error"): a Triton error then would leave the ensemble
+    request in flight for ever (the 2.51 ensemble bug, docs/platform.md)."""
 
     def __init__(self, sender: Any, clock: Callable[[], float] = time.monotonic) -> None:
         self.sender = sender
@@ -92,6 +94,7 @@ class ClientLink:
         self.cancelled = False  # the client went away, or an error answered it
         self.closed = False  # the final response went out
         self._leave: Callable[[], None] | None = None
+        self._streamed: ClientChunk | None = None  # the last chunk sent before the final one
         self._lock = threading.Lock()
         self._clock = clock
         self._last_sent = clock()
@@ -117,9 +120,14 @@ class ClientLink:
 
     def send(self, chunk: ClientChunk, final: bool) -> None:
         self._send(response(chunk, batched=True), FINAL if final else 0)
+        if not final:
+            self._streamed = chunk
 
     def fail(self, message: str, code: Any) -> None:
-        self._send(error_response(message, code), FINAL)
+        if self._streamed is None:
+            self._send(error_response(message, code), FINAL)
+        else:
+            self._send(response(self._streamed.failed(message), batched=True), FINAL)
         self.cancelled = True  # nothing more goes to this client
 
     def close(self) -> None:

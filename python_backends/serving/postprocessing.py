@@ -57,5 +57,6 @@ class PostprocessingModel:
                 cum_log_probs=chunk.cum_log_prob,
                 output_log_probs=chunk.output_log_probs,
                 output_ids=chunk.output_ids,
+                error_message=chunk.error,
             ), batched=True), flags=FINAL)
         return None

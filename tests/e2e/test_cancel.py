@@ -12,7 +12,7 @@ import pytest
 import requests
 import tritonclient.grpc as grpcclient
 
-from python_backends.client import LLMClient, metric_sum
+from python_backends.client import GenerateError, LLMClient, metric_sum
 from python_backends.launcher import ServerOptions, TritonServer, free_port
 from tests.e2e.conftest import ENGINE_DIR, Server
 
@@ -90,9 +90,10 @@ def test_disconnect_on_the_disaggregated_path_frees_kv_in_every_group(
 
 
 def test_cancellation_storms_leave_nothing_in_flight(tmp_path: Path) -> None:
-    """Dropped SSE streams, cancelled gRPC streams and non-streaming requests whose clients
-    left, on a server of its own: every one ends inside Triton too (Triton's shutdown finds no
-    in-flight inference) and the server then stops at once, well inside its exit timeout."""
+    """Dropped SSE streams, cancelled gRPC streams, non-streaming requests whose clients left
+    and streams failing after their first chunk, on a server of its own: every one ends inside
+    Triton too (Triton's shutdown finds no in-flight inference) and the server then stops at
+    once, well inside its exit timeout."""
     log_file = tmp_path / "server.log"
     opts = ServerOptions(http_port=free_port(), grpc_port=free_port(),
                          metrics_port=free_port(), engine_dir=ENGINE_DIR, log_file=log_file,
@@ -114,7 +115,8 @@ def test_cancellation_storms_leave_nothing_in_flight(tmp_path: Path) -> None:
     assert "in-flight inferences\"" not in log.replace(
         "Found 0 model versions that have in-flight inferences\"", "")
     assert stop_s < 20, f"the server took {stop_s:.0f} s to stop"
-    print(f"24 requests cancelled in 3 ways; server stopped in {stop_s:.1f} s")
+    print(f"24 requests cancelled in 3 ways, 8 failed mid-stream; server stopped in "
+          f"{stop_s:.1f} s")
 
 
 def _storm(server: Server) -> None:
@@ -131,8 +133,14 @@ def _storm(server: Server) -> None:
         with pytest.raises(TIMED_OUT):
             client.generate(f"Essay {i}: the history of", max_tokens=64, end_id=-1)
 
+    def fail_midway(i: int) -> None:
+        with pytest.raises(GenerateError, match="injected engine fault"):
+            for _ in server.client.stream(f"Fable {i}: there was", max_tokens=LONG,
+                                          engine_fault="error_after_first_token"):
+                pass
+
     threads = [threading.Thread(target=f, args=(i,)) for i in range(8)
-               for f in (drop_sse, disconnect)]
+               for f in (drop_sse, disconnect, fail_midway)]
     for t in threads:
         t.start()
     streams = [_stream(server, f"Tale {i}: long ago") for i in range(8)]

@@ -1,7 +1,9 @@
 """An engine error after a request's first token reaches the client as a clear error at once,
 over HTTP SSE, HTTP non-streaming and gRPC streaming, on both paths, and every KV block comes
-back. (The error travels as data in the engine's final response: a decoupled BLS call never
-receives an error response that is not its first, so the request used to hang.)"""
+back. The error travels as data twice: in the engine's final response (a decoupled BLS call
+never receives an error response that is not its first, so the request used to hang), and, on
+a stream that already sent a chunk, in the client's final response (finish_reason "error" and
+error_message: a Triton error there would leave the ensemble request in flight)."""
 
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ def test_sse_stream_ends_with_the_error_right_after_its_first_token(
         for _event in server.client.stream(PROMPT, max_tokens=32, route=route, **FAULT):
             times.append(time.monotonic())
     failed = time.monotonic()
-    assert MESSAGE in e.value.message
+    assert MESSAGE in e.value.message and e.value.status == 200  # the stream had begun
     assert len(times) == 1 and failed - times[0] < 1.0  # the next step fails at once
     assert server.wait_idle() == 0
 
@@ -64,6 +66,9 @@ def test_grpc_stream_gets_the_error(server: Server, route: str) -> None:
         client.stop_stream()
         client.close()
     assert isinstance(first, grpcclient.InferResult)
-    assert isinstance(error, Exception) and MESSAGE in str(error)
+    assert isinstance(error, grpcclient.InferResult), error
+    assert error.as_numpy("finish_reason").reshape(-1)[0] == b"error"
+    assert MESSAGE in error.as_numpy("error_message").reshape(-1)[0].decode()
+    assert first.as_numpy("error_message").reshape(-1)[0] == b""
     assert failed_at - first_at < 1.0
     assert server.wait_idle() == 0

@@ -1,0 +1,109 @@
+"""ClientLink: exactly one final flag per request, and a failure after a stream's first chunk
+ends the stream as data (finish_reason "error"), never as a Triton error, which the 2.51
+ensemble would leave in flight. pb_utils is faked at the edge: responses are recorded as the
+tensors or the error they carry."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from python_backends.wire import FINISH_ERROR, ClientChunk
+
+FINAL = 1
+
+
+class FakeError:
+    INVALID_ARG, UNAVAILABLE, INTERNAL = "INVALID_ARG", "UNAVAILABLE", "INTERNAL"
+
+    def __init__(self, message: str, code: str) -> None:
+        self.message, self.code = message, code
+
+
+class FakeResponse:
+    def __init__(self, tensors: list[Any] | None = None, error: FakeError | None = None) -> None:
+        self.outputs = {t.name: t.array for t in tensors or []}
+        self.error = error
+
+
+class FakeTensor:
+    def __init__(self, name: str, array: np.ndarray) -> None:
+        self.name, self.array = name, array
+
+
+class Sender:
+    def __init__(self) -> None:
+        self.sent: list[tuple[FakeResponse | None, int]] = []
+
+    def send(self, answer: FakeResponse | None = None, flags: int = 0) -> None:
+        self.sent.append((answer, flags))
+
+    def is_cancelled(self) -> bool:
+        return False
+
+
+@pytest.fixture
+def front(monkeypatch: pytest.MonkeyPatch) -> Iterator[types.ModuleType]:
+    pb = types.ModuleType("triton_python_backend_utils")
+    pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL = FINAL  # type: ignore[attr-defined]
+    pb.TritonError = FakeError  # type: ignore[attr-defined]
+    pb.InferenceResponse = FakeResponse  # type: ignore[attr-defined]
+    pb.Tensor = FakeTensor  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", pb)
+    for name in ("python_backends.serving.common", "python_backends.serving.front"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    yield importlib.import_module("python_backends.serving.front")
+    for name in ("python_backends.serving.common", "python_backends.serving.front"):
+        sys.modules.pop(name, None)  # the next importer gets the real pb_utils, or none
+
+
+def _chunk(ids: list[int], finish_reason: str = "") -> ClientChunk:
+    return ClientChunk("board", 1, ids, 0, ids, finish_reason, 5, len(ids), -1.5, [], "")
+
+
+def _text(response: FakeResponse, name: str) -> str:
+    return bytes(response.outputs[name].reshape(-1)[0]).decode()
+
+
+def test_a_failure_before_any_chunk_is_a_triton_error(front: types.ModuleType) -> None:
+    sender = Sender()
+    link = front.ClientLink(sender)
+    link.fail("bad top_p", FakeError.INVALID_ARG)
+    link.close()
+    [(answer, flags)] = sender.sent
+    assert flags == FINAL and answer is not None and answer.error is not None
+    assert (answer.error.message, answer.error.code) == ("bad top_p", "INVALID_ARG")
+    assert link.cancelled
+
+
+def test_a_failure_after_a_streamed_chunk_ends_the_stream_as_data(
+    front: types.ModuleType,
+) -> None:
+    sender = Sender()
+    link = front.ClientLink(sender)
+    link.send(_chunk([7, 8]), final=False)
+    link.fail("no engine instance is left", FakeError.UNAVAILABLE)
+    link.close()
+    link.probe()
+    assert [flags for _, flags in sender.sent] == [0, FINAL]  # nothing after the final one
+    last = sender.sent[-1][0]
+    assert last is not None and last.error is None
+    assert _text(last, "FINISH_REASON") == FINISH_ERROR
+    assert _text(last, "ERROR") == "no engine instance is left"
+    assert last.outputs["OUTPUT_IDS"].size == 0 and last.outputs["TOKENS"].size == 0
+    assert int(last.outputs["NUM_OUTPUT_TOKENS"].reshape(-1)[0]) == 2  # the counts so far
+
+
+def test_close_sends_the_final_flag_once(front: types.ModuleType) -> None:
+    sender = Sender()
+    link = front.ClientLink(sender)
+    link.send(_chunk([7], "stop"), final=True)
+    link.close()
+    link.fail("late", FakeError.INTERNAL)
+    assert [flags for _, flags in sender.sent] == [FINAL]
