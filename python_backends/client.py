@@ -111,8 +111,12 @@ Labels = frozenset[tuple[str, str]]
 
 
 def scrape(metrics_url: str) -> dict[str, dict[Labels, float]]:
+    """A metrics endpoint's series: {metric name: {labels: value}}."""
+    return parse_metrics(requests.get(metrics_url, timeout=10).text)
+
+
+def parse_metrics(text: str) -> dict[str, dict[Labels, float]]:
     """Prometheus text format -> {metric name: {labels: value}}."""
-    text = requests.get(metrics_url, timeout=10).text
     out: dict[str, dict[Labels, float]] = {}
     for line in text.splitlines():
         if not line or line.startswith("#"):

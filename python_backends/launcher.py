@@ -27,6 +27,13 @@ from python_backends.net import free_port
 from python_backends.repository import API_KEY_HEADER, GRPC_API_KEY_HEADER, TritonRepository
 from python_backends.watchdog import StubWatchdog
 
+# Triton 2.51's Python backend aborts the whole server when a stub dies holding a shared-memory
+# lock (tritonserver's thread gets this exception, uncaught: docs/platform.md).
+UPSTREAM_ABORT = "boost::interprocess::lock_exception"
+GATEWAY_PORT = 9000
+MAX_RESTARTS, RESTART_WINDOW_S = 5, 600.0  # serve.sh restarts a dead server this often
+GATEWAY_KEY_ENV = "LLM_API_KEY"  # the gateway reads the key from here (not a visible argument)
+
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 SHM_DIR = Path("/dev/shm")
 # Protected by --api-key. Health and metadata stay open for load balancers and discovery.
@@ -205,6 +212,29 @@ class TritonServer:
         with open(self.options.log_file, "a") as f:
             f.write(line + "\n")
 
+    def exit_reason(self) -> str | None:
+        """None while tritonserver runs; else its exit code and the abort lines of its log."""
+        p = self.process
+        if p is None or p.poll() is None:
+            return None
+        why = f"exit code {p.returncode}"
+        if self.options.log_file is not None and self.options.log_file.exists():
+            with self.options.log_file.open("rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - 65536))
+                tail = f.read().decode(errors="replace").splitlines()
+            aborts = [line for line in tail if "terminate called" in line or
+                      line.startswith(("Signal (", "  what():"))]
+            if aborts:
+                why += ": " + " / ".join(a.strip() for a in aborts[-3:])
+        return why
+
+    def restart(self, timeout_s: float = 600.0) -> None:
+        """A fresh tritonserver on the same ports, after one that died (its stubs and shared
+        memory cleaned up first)."""
+        self.stop()
+        self.start()
+        self.wait_ready(timeout_s)
+
     def stop(self) -> None:
         """SIGTERM, wait for Triton to unload the models (it stops the stubs), then make sure
         no process of the group and no shared-memory region of this server is left behind."""
@@ -304,6 +334,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="explicit (default): models can be reloaded while serving, by the "
                          "autoscaler and by the stub watchdog (which reloads a model whose stub "
                          "process died); none: the repository is fixed")
+    ap.add_argument("--gateway-port", type=int,
+                    default=int(os.environ.get("LLM_GATEWAY_PORT", GATEWAY_PORT)),
+                    help=f"the gateway's port (OpenAI API, docs/gateway.md; {GATEWAY_PORT}); "
+                         "0: no gateway")
     ap.add_argument("extra", nargs="*", help="extra tritonserver arguments (after --)")
     args = ap.parse_args(argv)
     opts = ServerOptions(
@@ -323,37 +357,106 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    gateway: subprocess.Popen[bytes] | None = None
     try:
         server.start()
         server.wait_ready(progress=True)
-        print(_banner(opts), flush=True)
-        assert server.process is not None
-        code = server.process.wait()
-        print(f"[serve] tritonserver exited with code {code}", flush=True)
-        return code
+        if args.gateway_port:
+            gateway = start_gateway(opts, args.gateway_port)
+        print(_banner(opts, args.gateway_port), flush=True)
+        return supervise(server)
     except KeyboardInterrupt:
         return 0
     except ServerError as e:
         print(f"[serve] error: {e}", file=sys.stderr, flush=True)
         return 1
     finally:
+        if gateway is not None:
+            stop_process(gateway)
         server.stop()
         print("[serve] stopped", flush=True)
 
 
-def _banner(o: ServerOptions) -> str:
+def supervise(server: TritonServer, max_restarts: int = MAX_RESTARTS,
+              window_s: float = RESTART_WINDOW_S) -> int:
+    """Wait on tritonserver; when it dies on its own, start it again (the gateway and clients
+    see it come back), unless it died `max_restarts` times within `window_s`. Returns its exit
+    code when giving up."""
+    restarts: list[float] = []
+    while True:
+        assert server.process is not None
+        code = server.process.wait()
+        print(f"[serve] tritonserver died: {server.exit_reason()}", flush=True)
+        now = time.monotonic()
+        restarts = [t for t in restarts if now - t < window_s]
+        if len(restarts) >= max_restarts:
+            print(f"[serve] it died {len(restarts) + 1} times in {window_s / 60:.0f} min; "
+                  "giving up", flush=True)
+            return code
+        restarts.append(now)
+        print("[serve] restarting it ...", flush=True)
+        server.restart()
+        print("[serve] ready again", flush=True)
+
+
+def start_gateway(o: ServerOptions, port: int, timeout_s: float = 120.0) -> subprocess.Popen[bytes]:
+    """The gateway (python -m python_backends.gateway) in front of this server, on `port`;
+    returns once it answers /health."""
+    cmd = [sys.executable, "-m", "python_backends.gateway", "--host", o.host, "--port",
+           str(port), "--backend", f"{o.grpc_address},{o.metrics_url}", "--log-level",
+           "warning"]
+    if o.engine_dir is not None:
+        cmd += ["--engine", str(o.engine_dir)]
+    env = dict(os.environ)
+    if o.api_key:
+        env[GATEWAY_KEY_ENV] = o.api_key  # clients' key at the gateway, and its key here
+    proc = subprocess.Popen(cmd, cwd=PROJECT_ROOT, env=env)
+    deadline = time.monotonic() + timeout_s
+    url = f"http://{o.host}:{port}/health"
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise ServerError(f"the gateway exited with code {proc.returncode}")
+        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=2):
+            return proc
+        time.sleep(0.3)
+    stop_process(proc)
+    raise ServerError(f"the gateway did not answer on {url} in {timeout_s:.0f} s")
+
+
+def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 15.0) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+
+
+def _banner(o: ServerOptions, gateway_port: int) -> str:
     auth = f"-H '{API_KEY_HEADER}: <key>' " if o.api_key else ""
     note = (f"  auth     HTTP header {API_KEY_HEADER}, gRPC metadata {GRPC_API_KEY_HEADER}"
             " (health stays open)\n") if o.api_key else ""
+    gateway = (f"  gateway  http://{o.host}:{gateway_port}/v1   (OpenAI API: /v1/completions, "
+               f"/v1/chat/completions)\n") if gateway_port else ""
     return f"""
 [serve] ready
   HTTP     {o.http_url}   (/v2/models/ensemble/generate, /generate_stream)
   gRPC     {o.host}:{o.grpc_port}
   metrics  {o.metrics_url}
-{note}  try:
+{gateway}{note}  try:
     curl -s -X POST {o.http_url}/v2/models/ensemble/generate {auth}\\
       -d '{{"text_input": "The capital of France is", "max_tokens": 16}}'
-  Ctrl-C stops the server.
+{_gateway_example(o, gateway_port)}  Ctrl-C stops the server.
+"""
+
+
+def _gateway_example(o: ServerOptions, port: int) -> str:
+    if not port:
+        return ""
+    auth = "-H 'Authorization: Bearer <key>' " if o.api_key else ""
+    return f"""    curl -s http://{o.host}:{port}/v1/chat/completions {auth}\\
+      -H 'Content-Type: application/json' -d '{{"model": "smollm2", "max_tokens": 16,
+      "messages": [{{"role": "user", "content": "What is the capital of France?"}}]}}'
 """
 
 

@@ -24,6 +24,12 @@ class RejectReason(enum.Enum):
     RATE_LIMITED = "rate_limited"
 
 
+# How a refusal's message begins: clients that only see the message (a gRPC stream through the
+# 2.51 ensemble carries no status) tell "slow down" from "retry elsewhere" by it (the gateway).
+RATE_LIMITED_PREFIX = "rate limited:"
+OVERLOADED_PREFIX = "server overloaded:"
+
+
 class Rejected(Exception):
     def __init__(self, reason: RejectReason, message: str) -> None:
         super().__init__(message)
@@ -107,10 +113,12 @@ class RateLimiter:
             req, tok = self._buckets_for(tenant)
             if req is not None and not req.try_take(1):
                 raise Rejected(RejectReason.RATE_LIMITED,
-                               f"rate limited: tenant '{tenant}' is over {req.rate:g} requests/s")
+                               f"{RATE_LIMITED_PREFIX} tenant '{tenant}' is over "
+                               f"{req.rate:g} requests/s")
             if tok is not None and not tok.try_take(min(tokens, tok.capacity)):
                 raise Rejected(RejectReason.RATE_LIMITED,
-                               f"rate limited: tenant '{tenant}' is over {tok.rate:g} tokens/s")
+                               f"{RATE_LIMITED_PREFIX} tenant '{tenant}' is over "
+                               f"{tok.rate:g} tokens/s")
 
 
 @dataclass(frozen=True)
@@ -137,11 +145,11 @@ class AdmissionControl:
         with self._lock:
             if self.waiting_requests + 1 > self.limits.max_waiting_requests:
                 raise Rejected(RejectReason.OVERLOADED,
-                               f"server overloaded: {self.waiting_requests} requests waiting "
+                               f"{OVERLOADED_PREFIX} {self.waiting_requests} requests waiting "
                                f"(limit {self.limits.max_waiting_requests}); retry later")
             if self.waiting_tokens + prompt_tokens > self.limits.max_waiting_tokens:
                 raise Rejected(RejectReason.OVERLOADED,
-                               f"server overloaded: {self.waiting_tokens} prompt tokens waiting "
+                               f"{OVERLOADED_PREFIX} {self.waiting_tokens} prompt tokens waiting "
                                f"(limit {self.limits.max_waiting_tokens}); retry later")
             self.waiting_requests += 1
             self.waiting_tokens += prompt_tokens

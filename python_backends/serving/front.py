@@ -24,6 +24,7 @@ import triton_python_backend_utils as pb_utils
 from python_backends.diagnostics import enable_stack_dumps
 from python_backends.flag_board import BoardCache, BoardFull, FlagBoard
 from python_backends.front.admission import (
+    OVERLOADED_PREFIX,
     AdmissionControl,
     AdmissionLimits,
     RateLimiter,
@@ -241,7 +242,7 @@ class FrontModel:
             ticket = self.board.acquire()
         except BoardFull as e:
             self.admission.leave(prompt_tokens)
-            link.fail(f"server overloaded: {e}", pb_utils.TritonError.UNAVAILABLE)
+            link.fail(f"{OVERLOADED_PREFIX} {e}", pb_utils.TritonError.UNAVAILABLE)
             return
         link.attach(self.board, ticket, lambda: self.admission.leave(prompt_tokens))
         state = RequestStream(req.prompt_ids, req.stream, req.exclude_input_in_output,

@@ -1,7 +1,7 @@
 """README's serve command: scripts/serve.sh comes up (here with --api-key and a repository whose
-front has tight admission limits), answers, enforces the key on HTTP and gRPC while health
-stays open, refuses overload and rate-limited tenants with clear errors while serving others, and
-stops cleanly on SIGTERM."""
+front has tight admission limits), answers, enforces the key on HTTP, gRPC and the gateway it
+starts while health stays open, refuses overload and rate-limited tenants with clear errors
+while serving others, and stops cleanly on SIGTERM."""
 
 from __future__ import annotations
 
@@ -109,13 +109,26 @@ def _check_admission(url: str, grpc_port: int, metrics_url: str) -> None:
                                ("tenant", "default")})] == len(refused)
 
 
+def _check_gateway(url: str) -> None:
+    """The gateway serve.sh starts beside the server: the same key, OpenAI's API."""
+    chat: dict[str, Any] = {"model": "smollm2", "max_tokens": 16,
+                            "messages": [{"role": "user",
+                                          "content": "What is the capital of France?"}]}
+    assert requests.post(url, json=chat, timeout=60).status_code == 401
+    r = requests.post(url, json=chat, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    assert answer["choices"][0]["message"]["content"] and answer["usage"]["completion_tokens"]
+
+
 def test_serve_script_starts_answers_and_stops_cleanly(tmp_path: Path) -> None:
-    ports = [free_port() for _ in range(3)]
+    ports = [free_port() for _ in range(4)]
     shm_before = set(os.listdir(SHM_DIR))
     log = (tmp_path / "serve.log").open("w")
     proc = subprocess.Popen(
         ["bash", str(ROOT / "scripts" / "serve.sh"), "--http-port", str(ports[0]),
          "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]), "--api-key", KEY,
+         "--gateway-port", str(ports[3]),
          "--model-repository", str(_tight_repository(tmp_path))],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
@@ -139,6 +152,8 @@ def test_serve_script_starts_answers_and_stops_cleanly(tmp_path: Path) -> None:
         assert "restricted" in _grpc_generate(ports[1], {})
         assert "restricted" in _grpc_generate(ports[1], {GRPC_API_KEY_HEADER: "wrong"})
         assert "Paris" in _grpc_generate(ports[1], {GRPC_API_KEY_HEADER: KEY})
+        assert f"http://127.0.0.1:{ports[3]}/v1" in banner
+        _check_gateway(f"http://127.0.0.1:{ports[3]}/v1/chat/completions")
         _check_admission(url, ports[1], f"http://127.0.0.1:{ports[2]}/metrics")
         assert len(_descendants(proc.pid)) >= 5  # tritonserver and its model stubs
         stubs = _descendants(proc.pid)

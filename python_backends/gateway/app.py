@@ -1,0 +1,286 @@
+"""The gateway's HTTP API (FastAPI): OpenAI's /v1 endpoints, Triton's KServe generate
+endpoints proxied with meaningful statuses, /health and /metrics. docs/gateway.md describes
+them; gateway.service decides who serves what."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from python_backends.gateway.backends import BackendPool
+from python_backends.gateway.config import GatewayConfig
+from python_backends.gateway.errors import ApiError
+from python_backends.gateway.metrics import GatewayMetrics
+from python_backends.gateway.protocol import Generation, parse_chat, parse_completion
+from python_backends.gateway.responses import Answer
+from python_backends.gateway.service import Call, Gateway
+from python_backends.gateway.stops import StopMatcher
+from python_backends.gateway.triton import ENSEMBLE, Piece
+from python_backends.wire import CLIENT_INPUTS
+
+DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is there
+CLIENT_CLOSED = 499  # the status counted for a request whose client went away
+SSE_DONE = "data: [DONE]\n\n"
+
+
+@dataclass
+class Delta:
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str | None
+
+
+def create_app(config: GatewayConfig, tokenizer: Any = None) -> FastAPI:
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(Gateway.engine_dir(config)))
+    pool = BackendPool(config)
+    gw = Gateway(config, pool, tokenizer, GatewayMetrics())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await pool.start()
+        yield
+        await pool.close()
+
+    app = FastAPI(title="python-backends gateway", lifespan=lifespan, docs_url=None,
+                  redoc_url=None, openapi_url=None)
+    app.state.gateway = gw
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, e: ApiError) -> JSONResponse:
+        body = {"error": e.message} if request.url.path.startswith("/v2/") else e.body()
+        return JSONResponse(body, status_code=e.status)
+
+    _routes(app, gw)
+    return app
+
+
+def _routes(app: FastAPI, gw: Gateway) -> None:
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [_model_card(gw)]}
+
+    @app.get("/v1/models/{model}")
+    async def model(model: str) -> dict[str, Any]:
+        _check_model(gw, model)
+        return _model_card(gw)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _openai(gw, request, parse_completion, "completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await _openai(gw, request, parse_chat, "chat")
+
+    @app.post("/v2/models/{model}/generate")
+    async def generate(model: str, request: Request) -> Response:
+        return await _kserve(gw, request, model, streaming=False)
+
+    @app.post("/v2/models/{model}/generate_stream")
+    async def generate_stream(model: str, request: Request) -> Response:
+        return await _kserve(gw, request, model, streaming=True)
+
+    @app.get("/health")
+    async def health() -> Response:
+        ok = any(v.healthy for v in gw.pool.views())
+        return JSONResponse({"healthy": ok}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(gw.metrics.render(gw.pool), media_type="text/plain; version=0.0.4")
+
+
+def _model_card(gw: Gateway) -> dict[str, Any]:
+    return {"id": gw.config.model, "object": "model", "created": 0, "owned_by": "python-backends"}
+
+
+def _check_model(gw: Gateway, model: str) -> None:
+    if model != gw.config.model:
+        raise ApiError(404, f"model '{model}' does not exist; this gateway serves "
+                       f"'{gw.config.model}' (GET /v1/models)", "model")
+
+
+async def _json(request: Request) -> Any:
+    try:
+        return json.loads(await request.body())
+    except UnicodeDecodeError as e:
+        raise ApiError(400, f"the request body is not valid UTF-8 ({e.reason} at byte "
+                       f"{e.start})") from None
+    except json.JSONDecodeError as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+
+
+@contextlib.contextmanager
+def _refusals(gw: Gateway, endpoint: str) -> Iterator[None]:
+    """Counts a request the gateway refuses before any server sees it."""
+    try:
+        yield
+    except ApiError as e:
+        gw.metrics.count(endpoint, None, e.status)
+        raise
+
+
+async def _openai(gw: Gateway, request: Request, parse: Callable[[Any], Generation],
+                  endpoint: str) -> Response:
+    arrived = time.monotonic()
+    with _refusals(gw, endpoint):
+        gen = parse(await _json(request))
+        _check_model(gw, gen.model)
+        tenant = gw.tenant(dict(request.headers), gen.user)
+        if gen.chat:
+            gen.prompt = gw.chat_prompt(gen.messages)
+        gw.admit(tenant, gw.count_tokens(gen.prompt), gen.max_tokens)
+    inputs: dict[str, Any] = {"text_input": gen.prompt, "stream": True, **gen.sampling}
+    if gen.max_tokens is not None:
+        inputs["max_tokens"] = gen.max_tokens
+    if gen.logprobs:
+        inputs["return_log_probs"] = True
+    if gen.cache_salt is not None:
+        inputs["cache_salt"] = gen.cache_salt
+    call = await gw.open(inputs, {"tenant": tenant}, endpoint, arrived)
+    answer = Answer(gen, lambda t: str(gw.tokenizer.decode([t])))
+    if gen.stream:
+        return StreamingResponse(_sse(gw, call, answer, endpoint),
+                                 media_type="text/event-stream")
+    await _whole(gw, request, call, answer, endpoint)
+    return JSONResponse(answer.whole())
+
+
+async def _relay(call: Call, answer: Answer) -> AsyncIterator[Delta]:
+    """The call's pieces as what the client may see: stop strings cut the text (and end the
+    call), held-back text goes out at the end."""
+    stops = StopMatcher(answer.gen.stops)
+    async for piece in call.pieces():
+        answer.prompt_tokens = piece.num_input_tokens or answer.prompt_tokens
+        answer.completion_tokens = piece.num_output_tokens or answer.completion_tokens
+        text = stops.feed(piece.text)
+        finish = "stop" if stops.stopped else (piece.finish_reason or None)
+        if finish and not stops.stopped:
+            text += stops.flush()
+        yield Delta(text, piece.token_ids, piece.logprobs, finish)
+        if finish:
+            return
+
+
+def _add(answer: Answer, d: Delta) -> None:
+    answer.text += d.text
+    answer.token_ids += d.token_ids
+    answer.logprobs += d.logprobs
+    answer.finish_reason = d.finish_reason
+
+
+async def _sse(gw: Gateway, call: Call, answer: Answer, endpoint: str) -> AsyncIterator[str]:
+    try:
+        first = True
+        async for d in _relay(call, answer):
+            if d.text or d.finish_reason or first:
+                event = answer.chunk(d.text, d.token_ids, d.logprobs, d.finish_reason, first)
+                yield f"data: {json.dumps(event)}\n\n"
+                first = False
+            _add(answer, d)
+        if answer.gen.include_usage:
+            yield f"data: {json.dumps(answer.usage_chunk())}\n\n"
+        gw.metrics.count(endpoint, call.backend, 200)
+    except ApiError as e:  # the stream has begun: the error goes as an event
+        gw.metrics.count(endpoint, call.backend, e.status)
+        yield f"data: {json.dumps(e.body())}\n\n"
+    finally:
+        await call.close()  # also when the client went away: the server ends the request
+    yield SSE_DONE
+
+
+async def _whole(gw: Gateway, request: Request, call: Call, answer: Answer,
+                 endpoint: str) -> None:
+    """Read the whole answer; a client that goes away meanwhile cancels it on the server
+    (Triton's own /generate cannot notice that, docs/operations.md)."""
+
+    async def collect() -> None:
+        async for d in _relay(call, answer):
+            _add(answer, d)
+
+    task = asyncio.create_task(collect())
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                gw.metrics.count(endpoint, call.backend, CLIENT_CLOSED)
+                raise ApiError(CLIENT_CLOSED, "the client went away")
+        try:
+            task.result()
+        except ApiError as e:
+            gw.metrics.count(endpoint, call.backend, e.status)
+            raise
+        gw.metrics.count(endpoint, call.backend, 200)
+    finally:
+        if not task.done():
+            task.cancel()
+        await call.close()
+
+
+async def _kserve(gw: Gateway, request: Request, model: str, streaming: bool) -> Response:
+    """Triton's generate endpoints, proxied: the body's inputs and parameters as Triton reads
+    them, the outputs as Triton writes them, and 429 / 503 where Triton says 400."""
+    arrived = time.monotonic()
+    endpoint = "generate_stream" if streaming else "generate"
+    with _refusals(gw, endpoint):
+        if model != ENSEMBLE:
+            raise ApiError(404, f"unknown model '{model}': the generate endpoints serve "
+                           f"'{ENSEMBLE}'")
+        body = await _json(request)
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        inputs = {k: v for k, v in body.items() if k in CLIENT_INPUTS}
+        parameters = {k: v for k, v in body.items() if k not in CLIENT_INPUTS}
+        tenant = gw.tenant(dict(request.headers), parameters.get("tenant"))
+        parameters["tenant"] = tenant
+        text = inputs.get("text_input")
+        gw.admit(tenant, gw.count_tokens(text) if isinstance(text, str) else 0,
+                 inputs.get("max_tokens"))
+    call = await gw.open({**inputs, "stream": streaming}, parameters, endpoint, arrived)
+    if streaming:
+        return StreamingResponse(_kserve_sse(gw, call, endpoint),
+                                 media_type="text/event-stream")
+    try:
+        pieces = [p async for p in call.pieces()]
+    except ApiError as e:
+        gw.metrics.count(endpoint, call.backend, e.status)
+        raise
+    finally:
+        await call.close()
+    gw.metrics.count(endpoint, call.backend, 200)
+    return JSONResponse(_kserve_outputs(pieces[-1]))
+
+
+async def _kserve_sse(gw: Gateway, call: Call, endpoint: str) -> AsyncIterator[str]:
+    try:
+        async for piece in call.pieces():
+            yield f"data: {json.dumps(_kserve_outputs(piece))}\n\n"
+        gw.metrics.count(endpoint, call.backend, 200)
+    except ApiError as e:
+        gw.metrics.count(endpoint, call.backend, e.status)
+        yield f"data: {json.dumps({'error': e.message})}\n\n"
+    finally:
+        await call.close()
+
+
+def _kserve_outputs(piece: Piece) -> dict[str, Any]:
+    return {"model_name": ENSEMBLE, "model_version": "1", "text_output": piece.text,
+            "finish_reason": piece.finish_reason, "num_input_tokens": piece.num_input_tokens,
+            "num_output_tokens": piece.num_output_tokens, "output_ids": piece.token_ids,
+            "output_log_probs": piece.logprobs}

@@ -1,0 +1,119 @@
+"""The Triton servers behind the gateway: one gRPC client each, and a health loop that reads
+each server's readiness and load (its metrics endpoint) every `health_interval_s`. A server
+that is not ready, has no healthy engine, or has not answered for `unhealthy_after_s` is out
+of the rotation until it answers again."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import aiohttp
+import tritonclient.grpc.aio as grpcclient
+
+from python_backends.client import Labels, metric_sum, parse_metrics
+from python_backends.gateway.config import BackendConfig, GatewayConfig
+from python_backends.gateway.routing import ServerView
+
+log = logging.getLogger(__name__)
+API_KEY_HEADER = "x-api-key"  # a server's own key (launcher --api-key)
+
+
+class Backend:
+    def __init__(self, config: BackendConfig) -> None:
+        self.config = config
+        self.name = config.name
+        self.client: Any = None  # made in the event loop that uses it (`connect`)
+        self.headers = {API_KEY_HEADER: config.api_key} if config.api_key else None
+        self.ready = False
+        self.last_answer = 0.0  # monotonic time of its last successful health check
+        self.metrics: dict[str, dict[Labels, float]] = {}
+        self.in_flight = 0
+
+    def view(self, now: float, unhealthy_after_s: float) -> ServerView:
+        m = self.metrics
+        engines = m.get("llm_engine_healthy", {})
+        healthy = (self.ready and now - self.last_answer <= unhealthy_after_s
+                   and (not engines or any(v > 0 for v in engines.values())))
+        usage = m.get("llm_kv_cache_usage_ratio", {})
+        return ServerView(
+            name=self.name, region=self.config.region, weight=self.config.weight,
+            healthy=healthy, waiting=metric_sum(m, "llm_num_requests_waiting"),
+            running=metric_sum(m, "llm_num_requests_running"),
+            kv_usage=max(usage.values(), default=0.0), in_flight=self.in_flight)
+
+    @contextlib.contextmanager
+    def opened(self) -> Iterator[None]:
+        """Counts a request in flight on this server while the context lasts."""
+        self.in_flight += 1
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+
+    def connect(self) -> None:
+        self.client = grpcclient.InferenceServerClient(self.config.grpc)
+
+    async def check(self, session: aiohttp.ClientSession, timeout_s: float) -> None:
+        """Read readiness and metrics once; a failure leaves the server's last answer as is."""
+        try:
+            ready = await self.client.is_server_ready(headers=self.headers,
+                                                      client_timeout=timeout_s)
+            async with session.get(self.config.metrics,
+                                   timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+                text = await r.text()
+        except Exception as e:  # down, restarting, unreachable: out until it answers
+            if self.ready:
+                log.warning("backend %s stopped answering: %s", self.name, e)
+            self.ready = False
+            return
+        if ready and not self.ready:
+            log.info("backend %s is ready", self.name)
+        self.ready = bool(ready)
+        self.metrics = parse_metrics(text)
+        self.last_answer = time.monotonic()
+
+
+class BackendPool:
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        self.backends = {b.name: Backend(b) for b in config.backends}
+        self._task: asyncio.Task[None] | None = None
+        self._session: aiohttp.ClientSession | None = None
+
+    def views(self) -> list[ServerView]:
+        now = time.monotonic()
+        return [b.view(now, self.config.unhealthy_after_s) for b in self.backends.values()]
+
+    async def check_all(self) -> None:
+        assert self._session is not None
+        timeout = max(0.5, self.config.health_interval_s)
+        await asyncio.gather(*(b.check(self._session, timeout)
+                               for b in self.backends.values()))
+
+    async def start(self) -> None:
+        for b in self.backends.values():
+            b.connect()
+        self._session = aiohttp.ClientSession()
+        await self.check_all()
+        self._task = asyncio.create_task(self._loop(), name="gateway-health")
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.health_interval_s)
+            await self.check_all()
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for b in self.backends.values():
+            if b.client is not None:
+                await b.client.close()
+        if self._session is not None:
+            await self._session.close()

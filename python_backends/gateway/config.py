@@ -1,0 +1,101 @@
+"""The gateway's configuration: the Triton servers behind it, its API keys and tenants' rate
+limits (the front's semantics and JSON form: front.admission.parse_rate_limits).
+
+A JSON file (docs/gateway.md has a full example):
+
+    {"model": "smollm2", "engine_dir": "engines/smollm2",
+     "backends": [{"name": "eu-1", "grpc": "127.0.0.1:8001",
+                   "metrics": "http://127.0.0.1:8002/metrics", "region": "eu", "weight": 1}],
+     "api_keys": {"sk-team-a": "team-a"},
+     "rate_limits": {"team-a": {"requests_per_s": 5}}}
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from python_backends.front.admission import RateLimit, parse_rate_limits
+
+DEFAULT_PORT = 9000
+
+
+class ConfigError(ValueError):
+    """A configuration file the gateway cannot serve from; the message names the field."""
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    """One Triton server serving this repository's `ensemble`."""
+
+    name: str
+    grpc: str  # host:port of its gRPC endpoint
+    metrics: str  # URL of its metrics endpoint (load and engine health)
+    region: str = "default"
+    weight: float = 1.0  # a larger weight takes proportionally more load
+    api_key: str | None = None  # the server's own --api-key, if it has one
+
+    def __post_init__(self) -> None:
+        if not self.name or not self.grpc or not self.metrics:
+            raise ConfigError("backends: each needs a name, grpc and metrics")
+        if self.weight <= 0:
+            raise ConfigError(f"backends[{self.name}].weight: must be > 0, got {self.weight}")
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    backends: tuple[BackendConfig, ...]
+    model: str = "smollm2"  # the name clients use (/v1/models)
+    engine_dir: Path | None = None  # its tokenizer: chat template, prompt token counts
+    api_keys: dict[str, str] = field(default_factory=dict)  # key -> tenant; empty: open
+    rate_limits: dict[str, RateLimit] = field(default_factory=dict)
+    health_interval_s: float = 1.0  # readiness and load are read this often per server
+    unhealthy_after_s: float = 3.0  # a server silent this long leaves the rotation
+    max_attempts: int = 3  # servers tried for a request that has produced nothing yet
+    request_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not self.backends:
+            raise ConfigError("backends: at least one Triton server is needed")
+        names = [b.name for b in self.backends]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"backends: names must be unique, got {names}")
+        if self.max_attempts < 1:
+            raise ConfigError("max_attempts: must be >= 1")
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> GatewayConfig:
+        known = {"backends", "model", "engine_dir", "api_keys", "rate_limits",
+                 "health_interval_s", "unhealthy_after_s", "max_attempts", "request_timeout_s"}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ConfigError(f"unknown field(s) {unknown}; known: {sorted(known)}")
+        try:
+            backends = tuple(BackendConfig(**b) for b in raw.get("backends", []))
+        except TypeError as e:
+            raise ConfigError(f"backends: {e}") from None
+        api_keys = raw.get("api_keys", {})
+        if not isinstance(api_keys, dict):
+            raise ConfigError("api_keys: must be an object of key -> tenant")
+        try:
+            limits = parse_rate_limits(json.dumps(raw.get("rate_limits", {})))
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"rate_limits: {e}") from None
+        extra = {k: raw[k] for k in ("model", "health_interval_s", "unhealthy_after_s",
+                                     "max_attempts", "request_timeout_s") if k in raw}
+        engine_dir = Path(raw["engine_dir"]) if raw.get("engine_dir") else None
+        return cls(backends=backends, engine_dir=engine_dir,
+                   api_keys={str(k): str(v) for k, v in api_keys.items()},
+                   rate_limits=limits, **extra)
+
+    @classmethod
+    def load(cls, path: Path) -> GatewayConfig:
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ConfigError(f"{path}: {e}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: must hold a JSON object")
+        return cls.from_dict(raw)

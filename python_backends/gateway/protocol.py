@@ -1,0 +1,202 @@
+"""OpenAI's /v1/completions and /v1/chat/completions requests, read into one `Generation`.
+
+Every field OpenAI defines is either served or refused by name: a client never has a field
+silently ignored. Sampling values are range-checked by the Triton server (its messages name
+the same fields); the gateway checks types, and what only it understands (prompt, messages,
+stop, n, stream_options, logprobs).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from python_backends.gateway.errors import ApiError, invalid
+
+MAX_STOPS = 4  # OpenAI's limit
+# Sampling fields passed to the ensemble under the same name, with their JSON type.
+_SAMPLING: dict[str, type] = {"temperature": float, "top_p": float, "presence_penalty": float,
+                              "frequency_penalty": float, "seed": int}
+_COMMON = {"model", "stream", "stream_options", "stop", "max_tokens", "n", "user", "cache_salt",
+           "logprobs", *_SAMPLING}
+COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "best_of", "suffix"}
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
+# Fields OpenAI defines that this server cannot honour (refused by name, with why).
+_UNSUPPORTED = {
+    "logit_bias": "token biases are not supported",
+    "tools": "tool calls are not supported", "tool_choice": "tool calls are not supported",
+    "functions": "function calls are not supported",
+    "function_call": "function calls are not supported",
+    "response_format": "structured output is not supported",
+    "parallel_tool_calls": "tool calls are not supported",
+    "audio": "audio is not supported", "modalities": "only text is supported",
+    "prediction": "predicted outputs are not supported",
+    "reasoning_effort": "this model does not reason", "store": "responses are not stored",
+    "metadata": "responses are not stored", "service_tier": "there is one service tier",
+    "web_search_options": "web search is not supported",
+}
+
+
+@dataclass
+class Generation:
+    """What one OpenAI request asks of the ensemble."""
+
+    model: str
+    chat: bool
+    prompt: str = ""  # the completion prompt (chat: set from `messages` by the template)
+    messages: list[dict[str, str]] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+    max_tokens: int | None = None
+    stops: list[str] = field(default_factory=list)
+    sampling: dict[str, float | int] = field(default_factory=dict)
+    logprobs: bool = False
+    user: str | None = None
+    cache_salt: str | None = None
+
+
+def parse_completion(body: Any) -> Generation:
+    raw = _object(body, COMPLETION_FIELDS)
+    gen = _common(raw, chat=False)
+    prompt = raw.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, list):
+        raise invalid("prompt", "one prompt per request (a string); batches and token ids are "
+                      "not supported")
+    gen.prompt = _text("prompt", prompt)
+    if raw.get("echo"):
+        raise invalid("echo", "echoing the prompt is not supported")
+    if raw.get("best_of") not in (None, 1):
+        raise invalid("best_of", "only 1 is supported")
+    if raw.get("suffix") is not None:
+        raise invalid("suffix", "insertion is not supported")
+    logprobs = raw.get("logprobs")
+    if logprobs is not None:
+        n = _int("logprobs", logprobs, lo=0)
+        if n > 1:
+            raise invalid("logprobs", "the engine gives the sampled token's log-probability "
+                          "only: use 0 or 1")
+        gen.logprobs = True
+    return gen
+
+
+def parse_chat(body: Any) -> Generation:
+    raw = _object(body, CHAT_FIELDS)
+    gen = _common(raw, chat=True)
+    gen.messages = _messages(raw.get("messages"))
+    if raw.get("max_completion_tokens") is not None:
+        gen.max_tokens = _int("max_completion_tokens", raw["max_completion_tokens"], lo=1)
+    logprobs = raw.get("logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise invalid("logprobs", f"expected a boolean, got {logprobs!r}")
+    gen.logprobs = bool(logprobs)
+    top = raw.get("top_logprobs")
+    if top is not None and _int("top_logprobs", top, lo=0) > 0:
+        raise invalid("top_logprobs", "alternatives are not available: the engine gives the "
+                      "sampled token's log-probability only (use logprobs: true)")
+    return gen
+
+
+def _object(body: Any, known: set[str]) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    for name in sorted(body):
+        if name in _UNSUPPORTED and body[name] not in (None, [], {}):
+            raise invalid(name, _UNSUPPORTED[name])
+        if name not in known and name not in _UNSUPPORTED:
+            raise invalid(name, "unknown field")
+    if not isinstance(body.get("model"), str) or not body["model"]:
+        raise invalid("model", "a model name is required (see /v1/models)")
+    return body
+
+
+def _common(raw: dict[str, Any], chat: bool) -> Generation:
+    gen = Generation(model=raw["model"], chat=chat)
+    gen.stream = _bool("stream", raw.get("stream", False))
+    options = raw.get("stream_options")
+    if options is not None:
+        if not gen.stream:
+            raise invalid("stream_options", "only allowed with stream: true")
+        if not isinstance(options, dict) or set(options) - {"include_usage"}:
+            raise invalid("stream_options", "only include_usage is supported")
+        gen.include_usage = _bool("stream_options.include_usage",
+                                  options.get("include_usage", False))
+    if raw.get("max_tokens") is not None:
+        gen.max_tokens = _int("max_tokens", raw["max_tokens"], lo=1)
+    if raw.get("n") not in (None, 1):
+        raise invalid("n", "only one choice per request is supported")
+    gen.stops = _stops(raw.get("stop"))
+    for name, kind in _SAMPLING.items():
+        if raw.get(name) is not None:
+            gen.sampling[name] = (_int(name, raw[name], lo=0) if kind is int
+                                  else _number(name, raw[name]))
+    if raw.get("user") is not None:
+        gen.user = _text("user", raw["user"])
+    if raw.get("cache_salt") is not None:
+        gen.cache_salt = _text("cache_salt", raw["cache_salt"])
+    return gen
+
+
+def _messages(messages: Any) -> list[dict[str, str]]:
+    if not isinstance(messages, list) or not messages:
+        raise invalid("messages", "a non-empty list of messages is required")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user",
+                                                            "assistant"):
+            raise invalid(where, "each message needs a role: system, developer, user or "
+                          "assistant")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: text only
+            if not all(isinstance(p, dict) and p.get("type") == "text"
+                       and isinstance(p.get("text"), str) for p in content):
+                raise invalid(f"{where}.content", "only text parts are supported")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise invalid(f"{where}.content", "expected a string or a list of text parts")
+        role = "system" if m["role"] == "developer" else m["role"]
+        out.append({"role": role, "content": content})
+    return out
+
+
+def _stops(stop: Any) -> list[str]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise invalid("stop", "a non-empty string or a list of them")
+    if len(stops) > MAX_STOPS:
+        raise invalid("stop", f"at most {MAX_STOPS} stop sequences")
+    return stops
+
+
+def _text(name: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise invalid(name, f"expected a string, got {type(value).__name__}")
+    if not value:
+        raise invalid(name, "must not be empty")
+    return value
+
+
+def _bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise invalid(name, f"expected a boolean, got {value!r}")
+    return value
+
+
+def _int(name: str, value: Any, lo: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise invalid(name, f"expected an integer, got {value!r}")
+    if value < lo:
+        raise invalid(name, f"must be >= {lo}, got {value}")
+    return value
+
+
+def _number(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise invalid(name, f"expected a finite number, got {value!r}")
+    return float(value)
+

@@ -1,0 +1,134 @@
+"""The gateway's core, free of HTTP: who the caller is, whether its tenant may send now, which
+server serves the request, and moving on to the next server when one fails before its first
+token. The HTTP layer (gateway.app) only shapes requests and answers."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from python_backends.front.admission import RateLimiter, Rejected
+from python_backends.front.validation import DEFAULT_MAX_TOKENS
+from python_backends.gateway.backends import Backend, BackendPool
+from python_backends.gateway.config import GatewayConfig
+from python_backends.gateway.errors import ApiError
+from python_backends.gateway.metrics import GatewayMetrics
+from python_backends.gateway.routing import LeastLoaded, RoutingPolicy
+from python_backends.gateway.triton import Piece, stream
+from python_backends.wire import DEFAULT_TENANT
+
+BEARER = "bearer "
+
+
+@dataclass
+class Call:
+    """A request a server accepted: its first piece, and the rest to read. `close` ends it on
+    the server too when the caller stops reading early."""
+
+    backend: Backend
+    first: Piece
+    rest: AsyncIterator[Piece]
+    _closed: bool = False
+
+    async def pieces(self) -> AsyncIterator[Piece]:
+        yield self.first
+        async for piece in self.rest:
+            yield piece
+
+    async def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.backend.in_flight -= 1
+            with contextlib.suppress(Exception):
+                await self.rest.aclose()  # type: ignore[attr-defined]
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig, pool: BackendPool, tokenizer: Any,
+                 metrics: GatewayMetrics, policy: RoutingPolicy | None = None) -> None:
+        self.config = config
+        self.pool = pool
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.policy = policy or LeastLoaded()
+        self.rate_limiter = RateLimiter(config.rate_limits)
+
+    def tenant(self, headers: dict[str, str], user: str | None) -> str:
+        """The caller's tenant: its API key's, when keys are configured (401 otherwise);
+        else the request's `user`, else the default tenant."""
+        if not self.config.api_keys:
+            return user or DEFAULT_TENANT
+        key = headers.get("x-api-key") or ""
+        auth = headers.get("authorization", "")
+        if auth.lower().startswith(BEARER):
+            key = auth[len(BEARER):].strip()
+        tenant = self.config.api_keys.get(key)
+        if tenant is None:
+            raise ApiError(401, "a valid API key is required (Authorization: Bearer <key>)"
+                           if not key else "invalid API key")
+        return tenant
+
+    def admit(self, tenant: str, prompt_tokens: int, max_tokens: int | None) -> None:
+        """The tenant's rate limits, charged as the front charges them (requests, and prompt
+        plus max_tokens tokens): 429 when over."""
+        try:
+            self.rate_limiter.check(tenant, prompt_tokens + (max_tokens or DEFAULT_MAX_TOKENS))
+        except Rejected as e:
+            raise ApiError(429, str(e)) from None
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> str:
+        try:
+            return str(self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                          add_generation_prompt=True))
+        except Exception as e:  # a template that rejects the conversation (roles, order)
+            raise ApiError(400, f"invalid request field 'messages': {e}", "messages") from None
+
+    async def open(self, inputs: dict[str, Any], parameters: dict[str, str],
+                   endpoint: str, arrived: float) -> Call:
+        """Send the request to the best server that takes it: a server that fails it before
+        its first piece with a retryable error (down, overloaded, no engine left) passes it
+        to the next, up to `max_attempts` servers."""
+        ranked = self.policy.rank(self.pool.views())
+        if not ranked:
+            raise ApiError(503, "no healthy backend server")
+        error = ApiError(503, "no healthy backend server")
+        for attempt, view in enumerate(ranked[:self.config.max_attempts]):
+            backend = self.pool.backends[view.name]
+            if attempt:
+                self.metrics.retries.labels(backend=backend.name).inc()
+            else:
+                self.metrics.overhead.observe(time.monotonic() - arrived)
+            backend.in_flight += 1
+            rest = stream(backend.client, inputs, parameters, backend.headers,
+                          self.config.request_timeout_s)
+            try:
+                first = await anext(rest)
+            except ApiError as e:
+                backend.in_flight -= 1
+                await rest.aclose()  # type: ignore[attr-defined]
+                self.metrics.count(endpoint, backend, e.status)
+                if not e.retryable:
+                    raise
+                error = e
+                continue
+            except BaseException:
+                backend.in_flight -= 1
+                await rest.aclose()  # type: ignore[attr-defined]
+                raise
+            return Call(backend, first, rest)
+        raise error
+
+    @staticmethod
+    def engine_dir(config: GatewayConfig) -> Path:
+        if config.engine_dir is None:
+            from python_backends.config import DEFAULT_ENGINE_DIR
+
+            return Path(DEFAULT_ENGINE_DIR)
+        return config.engine_dir

@@ -1,0 +1,44 @@
+"""OpenAI `stop` strings, matched on the text as it streams. Text that could still become the
+start of a stop string is held back until the next piece decides it, so a client never sees
+part of a stop string."""
+
+from __future__ import annotations
+
+
+class StopMatcher:
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self._held = ""
+        self.stopped = False
+
+    def feed(self, text: str) -> str:
+        """The text that can go to the client now. After a stop string is found, `stopped` is
+        set and nothing more is emitted (the stop string itself is never sent)."""
+        if self.stopped:
+            return ""
+        if not self.stops:
+            return text
+        pending = self._held + text
+        found = [i for i in (pending.find(s) for s in self.stops) if i >= 0]
+        if found:
+            self.stopped = True
+            self._held = ""
+            return pending[:min(found)]
+        keep = self._partial_suffix(pending)
+        self._held = pending[len(pending) - keep:] if keep else ""
+        return pending[:len(pending) - keep]
+
+    def flush(self) -> str:
+        """The generation ended without a stop string: what was held back goes out."""
+        held, self._held = self._held, ""
+        return "" if self.stopped else held
+
+    def _partial_suffix(self, text: str) -> int:
+        """The length of the longest end of `text` that begins some stop string."""
+        best = 0
+        for stop in self.stops:
+            for n in range(min(len(stop) - 1, len(text)), best, -1):
+                if text.endswith(stop[:n]):
+                    best = n
+                    break
+        return best

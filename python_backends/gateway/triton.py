@@ -1,0 +1,118 @@
+"""One request to a Triton server's `ensemble` over gRPC streaming, as an async iterator of
+`Piece`s. Closing the iterator early (the client went away, a stop string matched) cancels
+the gRPC stream, which ends the request inside the server too (its engine frees the KV).
+
+The OpenAI endpoints always ask the ensemble to stream (its `stream` input): the gateway
+shapes non-streaming answers itself, and only a stream lets it stop early.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import numpy as np
+import tritonclient.grpc.aio as grpcclient
+
+from python_backends.gateway.errors import ApiError, from_triton
+from python_backends.wire import CLIENT_INPUTS, FINISH_ERROR, Kind
+
+ENSEMBLE = "ensemble"
+_DTYPES = {Kind.INT: ("INT32", np.int32), Kind.UINT64: ("UINT64", np.uint64),
+           Kind.FLOAT: ("FP32", np.float32), Kind.BOOL: ("BOOL", np.bool_)}
+
+
+@dataclass
+class Piece:
+    """One response of the ensemble."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str = ""
+    num_input_tokens: int = 0
+    num_output_tokens: int = 0
+
+
+def ensemble_inputs(values: dict[str, Any]) -> list[grpcclient.InferInput]:
+    """The ensemble's input tensors (batch of one) from name -> value, typed by the wire's
+    declaration of each input (wire.CLIENT_INPUTS); an unknown name is refused by name."""
+    tensors = []
+    for name, value in values.items():
+        spec = CLIENT_INPUTS.get(name)
+        if spec is None:
+            raise ApiError(400, f"invalid input '{name}': unknown input", name)
+        if spec.kind in (Kind.TEXT, Kind.TEXTS):
+            items = value if isinstance(value, list) else [value]
+            arr = np.array([[str(v).encode() for v in items]], dtype=np.object_)
+            triton_type = "BYTES"
+        else:
+            triton_type, np_type = _DTYPES[spec.kind]
+            try:
+                arr = np.array([[value]], dtype=np_type)
+            except (TypeError, ValueError, OverflowError):
+                raise ApiError(400, f"invalid input '{name}': expected {triton_type}, got "
+                               f"{value!r}", name) from None
+        tensor = grpcclient.InferInput(name, list(arr.shape), triton_type)
+        tensor.set_data_from_numpy(arr)
+        tensors.append(tensor)
+    return tensors
+
+
+async def stream(client: grpcclient.InferenceServerClient, inputs: dict[str, Any],
+                 parameters: dict[str, str], headers: dict[str, str] | None,
+                 timeout_s: float) -> AsyncIterator[Piece]:
+    """The ensemble's responses to one request. Raises ApiError when the server refuses or
+    fails it (a stream that fails after its first piece ends with finish_reason "error")."""
+    tensors = ensemble_inputs(inputs)
+    done = asyncio.Event()
+
+    async def one_request() -> AsyncIterator[dict[str, Any]]:
+        yield {"model_name": ENSEMBLE, "inputs": tensors, "parameters": parameters or None}
+        await done.wait()  # keep our side open until the answer ends
+
+    responses = client.stream_infer(one_request(), stream_timeout=timeout_s, headers=headers)
+    try:
+        async for result, error in responses:
+            if error is not None:
+                raise from_triton(str(error.message()))
+            piece = _piece(result)
+            if piece.finish_reason == FINISH_ERROR:
+                raise from_triton(_text(result, "error_message"))
+            yield piece
+            if piece.finish_reason:
+                return
+        raise ApiError(503, "the server closed the stream before the request finished")
+    except grpcclient.InferenceServerException as e:
+        raise from_triton(str(e.message())) from None
+    except grpc.aio.AioRpcError as e:  # the server is unreachable, or the stream broke
+        raise ApiError(503, f"the server failed: {e.code().name}: {e.details()}") from None
+    finally:
+        done.set()
+        with contextlib.suppress(Exception):
+            responses.cancel()
+
+
+def _piece(result: Any) -> Piece:
+    return Piece(
+        text=_text(result, "text_output"),
+        token_ids=[int(t) for t in _array(result, "output_ids")],
+        logprobs=[float(x) for x in _array(result, "output_log_probs")],
+        finish_reason=_text(result, "finish_reason"),
+        num_input_tokens=int(next(iter(_array(result, "num_input_tokens")), 0)),
+        num_output_tokens=int(next(iter(_array(result, "num_output_tokens")), 0)),
+    )
+
+
+def _array(result: Any, name: str) -> np.ndarray:
+    arr = result.as_numpy(name)
+    return np.zeros(0) if arr is None else arr.reshape(-1)
+
+
+def _text(result: Any, name: str) -> str:
+    arr = _array(result, name)
+    return bytes(arr[0]).decode("utf-8", errors="replace") if arr.size else ""

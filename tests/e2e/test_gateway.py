@@ -1,0 +1,236 @@
+"""The gateway in front of the session's Triton server, driven by the official `openai` client
+and by Triton's own generate-endpoint clients: OpenAI's API with greedy output equal to Hugging
+Face's, every error status with OpenAI's body, stop strings, usage, a client that goes away
+cancelling its request on the server, and the KServe generate endpoints proxied."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import requests
+
+from python_backends.client import as_list, metric_sum, parse_metrics
+from python_backends.launcher import free_port
+from tests.e2e.conftest import ENGINE_DIR, MAX_TOKENS, PROMPTS, Reference, Server
+
+pytestmark = pytest.mark.e2e
+KEY, LIMITED_KEY = "sk-test", "sk-limited"
+MODEL = "smollm2"
+
+
+class Gateway:
+    def __init__(self, port: int, proc: subprocess.Popen[bytes], log: Path) -> None:
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc = proc
+        self.log = log
+
+    def openai(self, key: str = KEY) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0,
+                             timeout=120)
+
+    def metrics(self) -> dict[str, dict[frozenset[tuple[str, str]], float]]:
+        return parse_metrics(requests.get(f"{self.url}/metrics", timeout=10).text)
+
+
+def _start(tmp: Path, config: dict[str, Any], healthy: bool = True) -> Gateway:
+    path = tmp / "gateway.json"
+    path.write_text(json.dumps(config))
+    port = free_port()
+    log = tmp / "gateway.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "python_backends.gateway", "--config", str(path), "--port",
+         str(port), "--log-level", "warning"], stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    gw = Gateway(port, proc, log)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        try:
+            r = requests.get(f"{gw.url}/health", timeout=2)
+            if r.status_code == 200 or (not healthy and r.status_code == 503):
+                return gw
+        except requests.ConnectionError:
+            pass
+        time.sleep(0.3)
+    proc.kill()
+    raise AssertionError(f"the gateway did not start: {log.read_text()[-3000:]}")
+
+
+def _stop(gw: Gateway) -> None:
+    gw.proc.terminate()
+    try:
+        gw.proc.wait(15)
+    except subprocess.TimeoutExpired:
+        gw.proc.kill()
+        gw.proc.wait(5)
+
+
+@pytest.fixture(scope="module")
+def gateway(server: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    o = server.options
+    gw = _start(tmp_path_factory.mktemp("gateway"), {
+        "model": MODEL, "engine_dir": str(ENGINE_DIR),
+        "backends": [{"name": "local", "grpc": f"127.0.0.1:{o.grpc_port}",
+                      "metrics": o.metrics_url},
+                     {"name": "down", "grpc": f"127.0.0.1:{free_port()}",
+                      "metrics": f"http://127.0.0.1:{free_port()}/metrics"}],
+        "api_keys": {KEY: "gateway-tests", LIMITED_KEY: "limited"},
+        "rate_limits": {"limited": {"requests_per_s": 0.01, "burst_requests": 1}},
+    })
+    yield gw
+    _stop(gw)
+
+
+def test_completions_equal_hugging_face(gateway: Gateway, reference: Reference) -> None:
+    client = gateway.openai()
+    for prompt in PROMPTS[:3]:
+        out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS,
+                                        temperature=0)
+        assert out.choices[0].text == reference.text(prompt)
+        assert out.usage is not None and out.usage.completion_tokens == MAX_TOKENS
+        assert out.choices[0].finish_reason == "length"
+
+
+def test_streamed_completion_equals_the_whole_one(gateway: Gateway,
+                                                  reference: Reference) -> None:
+    prompt = PROMPTS[1]
+    events = list(gateway.openai().completions.create(
+        model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    text = "".join(e.choices[0].text for e in events if e.choices)
+    assert text == reference.text(prompt)
+    assert events[-1].usage is not None and events[-1].usage.completion_tokens == MAX_TOKENS
+    assert [e.choices[0].finish_reason for e in events if e.choices][-1] == "length"
+
+
+def test_chat_equals_the_ensemble_on_the_templated_prompt(gateway: Gateway,
+                                                          server: Server) -> None:
+    from transformers import AutoTokenizer
+
+    messages: Any = [{"role": "user", "content": "What is the capital of France?"}]
+    templated = str(AutoTokenizer.from_pretrained(str(ENGINE_DIR)).apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True))
+    want = server.client.generate(templated, max_tokens=16, exclude_input_in_output=True)
+    client = gateway.openai()
+    whole = client.chat.completions.create(model=MODEL, messages=messages,
+                                           max_completion_tokens=16, temperature=0)
+    assert whole.choices[0].message.content == want["text_output"]
+    streamed = client.chat.completions.create(model=MODEL, messages=messages,
+                                              max_tokens=16, temperature=0, stream=True)
+    chunks = list(streamed)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want["text_output"]
+
+
+def test_stop_strings_cut_the_text(gateway: Gateway, reference: Reference) -> None:
+    prompt = PROMPTS[0]
+    full = reference.text(prompt)
+    stop = full[5:8]
+    client = gateway.openai()
+    whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24,
+                                      temperature=0, stop=[stop])
+    events = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=24,
+                                            temperature=0, stop=[stop], stream=True))
+    for answer in ([whole], events):
+        assert "".join(e.choices[0].text for e in answer) == full[:full.index(stop)]
+        assert answer[-1].choices[0].finish_reason == "stop"
+
+
+def test_logprobs_as_far_as_the_engine_gives_them(gateway: Gateway) -> None:
+    out = gateway.openai().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+        temperature=0, logprobs=True)
+    content = out.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == 4
+    assert all(t.logprob <= 0 for t in content)
+
+
+@pytest.mark.parametrize(("key", "body", "status"), [
+    ("wrong", {"prompt": "x"}, 401),
+    (KEY, {"prompt": "x", "model": "gpt-9"}, 404),
+    (KEY, {"prompt": "x", "logit_bias": {"1": 1}}, 400),
+    (KEY, {"prompt": "x", "top_p": 1.5}, 400),  # the server's own check, passed through
+])
+def test_error_statuses_with_openai_bodies(gateway: Gateway, key: str, body: dict[str, Any],
+                                           status: int) -> None:
+    r = requests.post(f"{gateway.url}/v1/completions", timeout=60,
+                      headers={"Authorization": f"Bearer {key}"},
+                      json={"model": MODEL, "max_tokens": 4, **body})
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["message"] and error["code"] == status and "type" in error
+
+
+def test_a_rate_limited_tenant_gets_429(gateway: Gateway) -> None:
+    client = gateway.openai(LIMITED_KEY)
+    client.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+    with pytest.raises(openai.RateLimitError):
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+    # the server serves others afterwards
+    assert gateway.openai().completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+
+
+def test_no_healthy_server_is_503(tmp_path: Path) -> None:
+    gw = _start(tmp_path, {"engine_dir": str(ENGINE_DIR), "backends": [
+        {"name": "down", "grpc": f"127.0.0.1:{free_port()}",
+         "metrics": f"http://127.0.0.1:{free_port()}/metrics"}]}, healthy=False)
+    try:
+        with pytest.raises(openai.InternalServerError) as e:
+            gw.openai().completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+        assert e.value.status_code == 503
+    finally:
+        _stop(gw)
+
+
+def _cancelled_by_gateway(gateway: Gateway) -> float:
+    return metric_sum(gateway.metrics(), "gateway_requests_total", status="499")
+
+
+def test_a_client_that_goes_away_cancels_its_request(gateway: Gateway, server: Server) -> None:
+    before = _cancelled_by_gateway(gateway)
+    body: dict[str, Any] = {"model": MODEL, "prompt": "Count from 1 to 1000: 1, 2, 3,",
+                            "max_tokens": 400, "temperature": 0}
+    with pytest.raises(requests.Timeout):  # non-streaming: Triton's /generate cannot do this
+        requests.post(f"{gateway.url}/v1/completions", json=body, timeout=1.5,
+                      headers={"Authorization": f"Bearer {KEY}"})
+    deadline = time.monotonic() + 5
+    while _cancelled_by_gateway(gateway) == before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _cancelled_by_gateway(gateway) == before + 1
+    assert server.wait_idle(timeout=5) == 0
+    assert metric_sum(server.metrics(), "llm_num_requests_running") == 0
+    with requests.post(f"{gateway.url}/v1/completions", json={**body, "stream": True},
+                       headers={"Authorization": f"Bearer {KEY}"}, stream=True,
+                       timeout=60) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith(b"data:"))
+    assert server.wait_idle(timeout=5) == 0  # the dropped stream freed its KV too
+
+
+def test_kserve_generate_endpoints_are_proxied(gateway: Gateway, server: Server) -> None:
+    headers = {"x-api-key": KEY}
+    body: dict[str, Any] = {"text_input": PROMPTS[0], "max_tokens": 8}
+    want = server.client.generate(PROMPTS[0], max_tokens=8)
+    got = requests.post(f"{gateway.url}/v2/models/ensemble/generate", json=body,
+                        headers=headers, timeout=60).json()
+    assert got["text_output"] == want["text_output"]
+    assert as_list(got["output_ids"]) == as_list(want["output_ids"])
+    with requests.post(f"{gateway.url}/v2/models/ensemble/generate_stream", headers=headers,
+                       json={**body, "stream": True}, stream=True, timeout=60) as r:
+        events = [json.loads(line[5:]) for line in r.iter_lines() if line.startswith(b"data:")]
+    assert "".join(e["text_output"] for e in events) == want["text_output"].removeprefix(
+        PROMPTS[0])
+    bad = requests.post(f"{gateway.url}/v2/models/ensemble/generate", headers=headers,
+                        json={**body, "top_p": 7.0}, timeout=60)
+    assert bad.status_code == 400 and "top_p" in bad.json()["error"]
+    limited = {"x-api-key": LIMITED_KEY}
+    statuses = [requests.post(f"{gateway.url}/v2/models/ensemble/generate", json=body,
+                              headers=limited, timeout=60).status_code for _ in range(2)]
+    assert 429 in statuses  # Triton's own endpoint can only say 400

@@ -1,0 +1,89 @@
+"""OpenAI request bodies: served fields become a Generation, every other field is refused by
+name, with a 400 naming it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from python_backends.gateway.errors import ApiError
+from python_backends.gateway.protocol import parse_chat, parse_completion
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}
+
+
+def test_completion_fields_map_to_the_ensemble() -> None:
+    gen = parse_completion({"model": "m", "prompt": ["Once"], "max_tokens": 8, "stream": True,
+                            "stream_options": {"include_usage": True}, "stop": "\n",
+                            "temperature": 0, "top_p": 0.5, "seed": 3, "presence_penalty": 1,
+                            "frequency_penalty": 0.5, "logprobs": 1, "user": "team-a",
+                            "cache_salt": "s"})
+    assert (gen.prompt, gen.max_tokens, gen.stream, gen.include_usage) == ("Once", 8, True, True)
+    assert gen.stops == ["\n"] and gen.logprobs and not gen.chat
+    assert gen.sampling == {"temperature": 0.0, "top_p": 0.5, "seed": 3,
+                            "presence_penalty": 1.0, "frequency_penalty": 0.5}
+    assert (gen.user, gen.cache_salt) == ("team-a", "s")
+
+
+def test_chat_messages_and_max_completion_tokens() -> None:
+    gen = parse_chat({**CHAT, "messages": [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text",
+                                                                      "text": " there"}]}],
+        "max_completion_tokens": 5, "logprobs": True, "top_logprobs": 0})
+    assert gen.chat and gen.max_tokens == 5 and gen.logprobs
+    assert gen.messages == [{"role": "system", "content": "Be brief."},
+                            {"role": "user", "content": "Hi there"}]
+
+
+@pytest.mark.parametrize(("body", "field"), [
+    ({"model": "m", "prompt": "x", "logit_bias": {"1": 5}}, "logit_bias"),
+    ({"model": "m", "prompt": "x", "frobnicate": 1}, "frobnicate"),
+    ({"model": "m", "prompt": ""}, "prompt"),
+    ({"model": "m", "prompt": ["a", "b"]}, "prompt"),
+    ({"model": "m", "prompt": [1, 2]}, "prompt"),
+    ({"model": "m"}, "prompt"),
+    ({"prompt": "x"}, "model"),
+    ({"model": "m", "prompt": "x", "n": 2}, "n"),
+    ({"model": "m", "prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"model": "m", "prompt": "x", "max_tokens": "many"}, "max_tokens"),
+    ({"model": "m", "prompt": "x", "temperature": "hot"}, "temperature"),
+    ({"model": "m", "prompt": "x", "temperature": float("nan")}, "temperature"),
+    ({"model": "m", "prompt": "x", "stream": "yes"}, "stream"),
+    ({"model": "m", "prompt": "x", "stream_options": {"include_usage": True}},
+     "stream_options"),
+    ({"model": "m", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"model": "m", "prompt": "x", "stop": [""]}, "stop"),
+    ({"model": "m", "prompt": "x", "logprobs": 5}, "logprobs"),
+    ({"model": "m", "prompt": "x", "echo": True}, "echo"),
+    ({"model": "m", "prompt": "x", "seed": -1}, "seed"),
+])
+def test_completion_refusals_name_the_field(body: dict[str, Any], field: str) -> None:
+    with pytest.raises(ApiError) as e:
+        parse_completion(body)
+    assert e.value.status == 400 and e.value.param == field and f"'{field}'" in e.value.message
+
+
+@pytest.mark.parametrize(("body", "field"), [
+    ({"model": "m"}, "messages"),
+    ({"model": "m", "messages": []}, "messages"),
+    ({"model": "m", "messages": [{"role": "wizard", "content": "x"}]}, "messages[0]"),
+    ({"model": "m", "messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
+    ({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "messages[0].content"),
+    ({**CHAT, "tools": [{"type": "function"}]}, "tools"),
+    ({**CHAT, "top_logprobs": 2}, "top_logprobs"),
+    ({**CHAT, "logprobs": 1}, "logprobs"),
+    ({**CHAT, "prompt": "x"}, "prompt"),
+])
+def test_chat_refusals_name_the_field(body: dict[str, Any], field: str) -> None:
+    with pytest.raises(ApiError) as e:
+        parse_chat(body)
+    assert e.value.status == 400 and e.value.param == field
+
+
+def test_a_body_that_is_not_an_object_is_refused() -> None:
+    with pytest.raises(ApiError) as e:
+        parse_chat(["not", "an", "object"])
+    assert e.value.status == 400

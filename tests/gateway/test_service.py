@@ -1,0 +1,117 @@
+"""The gateway's core on fake servers: tenants from API keys, rate limits as 429, and a request
+a server fails before its first token passed to the next server (only when worth it)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from python_backends.front.admission import RateLimit
+from python_backends.gateway import service
+from python_backends.gateway.backends import BackendPool
+from python_backends.gateway.config import BackendConfig, GatewayConfig
+from python_backends.gateway.errors import ApiError
+from python_backends.gateway.metrics import GatewayMetrics
+from python_backends.gateway.service import Gateway
+from python_backends.gateway.triton import Piece
+
+
+def _gateway(**config: Any) -> Gateway:
+    backends = tuple(BackendConfig(name=n, grpc=f"127.0.0.1:{i + 1}", metrics="http://x")
+                     for i, n in enumerate(("a", "b", "c")))
+    pool = BackendPool(GatewayConfig(backends=backends, **config))
+    for i, b in enumerate(pool.backends.values()):  # all healthy, "a" least loaded
+        b.client = FakeClient(b.name)
+        b.ready, b.last_answer = True, float("inf")
+        b.metrics = {"llm_num_requests_running": {frozenset(): float(i)}}
+    return Gateway(pool.config, pool, tokenizer=None, metrics=GatewayMetrics())
+
+
+class FakeClient:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def _fake_servers(monkeypatch: pytest.MonkeyPatch, errors: dict[str, ApiError]) -> list[str]:
+    """Servers that fail as `errors` says (by name) or answer; returns the names tried."""
+    tried: list[str] = []
+
+    async def fake_stream(client: FakeClient, inputs: Any, parameters: Any, headers: Any,
+                          timeout_s: float) -> AsyncIterator[Piece]:
+        name = client.name
+        tried.append(name)
+        if name in errors:
+            raise errors[name]
+        yield Piece(text=name, finish_reason="length")
+
+    monkeypatch.setattr(service, "stream", fake_stream)
+    return tried
+
+
+def _open(gw: Gateway) -> service.Call:
+    async def run() -> service.Call:
+        call = await gw.open({"text_input": "x"}, {}, "completions", 0.0)
+        await call.close()
+        return call
+
+    return asyncio.run(run())
+
+
+def test_a_server_that_fails_before_the_first_token_passes_the_request_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    tried = _fake_servers(monkeypatch, {"a": ApiError(503, "no engine instance is left")})
+    gw = _gateway()
+    call = _open(gw)
+    assert tried == ["a", "b"] and call.first.text == "b"
+    assert all(b.in_flight == 0 for b in gw.pool.backends.values())
+    assert gw.metrics.registry.get_sample_value("gateway_retries_total", {"backend": "b"}) == 1
+
+
+def test_a_refusal_of_the_request_is_final(monkeypatch: pytest.MonkeyPatch) -> None:
+    tried = _fake_servers(monkeypatch, {"a": ApiError(400, "invalid input 'top_p'")})
+    with pytest.raises(ApiError) as e:
+        _open(_gateway())
+    assert e.value.status == 400 and tried == ["a"]
+
+
+def test_attempts_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    down = ApiError(503, "Connection refused")
+    tried = _fake_servers(monkeypatch, {n: down for n in "abc"})
+    with pytest.raises(ApiError) as e:
+        _open(_gateway(max_attempts=2))
+    assert e.value.status == 503 and tried == ["a", "b"]
+
+
+def test_no_healthy_server_is_503(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_servers(monkeypatch, {})
+    gw = _gateway()
+    for b in gw.pool.backends.values():
+        b.ready = False
+    with pytest.raises(ApiError) as e:
+        _open(gw)
+    assert e.value.status == 503
+
+
+def test_tenants_come_from_api_keys() -> None:
+    gw = _gateway(api_keys={"sk-a": "team-a"})
+    assert gw.tenant({"authorization": "Bearer sk-a"}, user="someone") == "team-a"
+    assert gw.tenant({"x-api-key": "sk-a"}, user=None) == "team-a"
+    for headers in ({}, {"authorization": "Bearer nope"}):
+        with pytest.raises(ApiError) as e:
+            gw.tenant(headers, user=None)
+        assert e.value.status == 401
+    assert _gateway().tenant({}, user="someone") == "someone"
+    assert _gateway().tenant({}, user=None) == "default"
+
+
+def test_rate_limits_are_429() -> None:
+    gw = _gateway(rate_limits={"t": RateLimit(requests_per_s=0.01, burst_requests=1)})
+    gw.admit("t", 5, 5)
+    with pytest.raises(ApiError) as e:
+        gw.admit("t", 5, 5)
+    assert e.value.status == 429 and "rate limited" in e.value.message
+    gw.admit("other", 5, 5)  # other tenants are unaffected
