@@ -219,6 +219,7 @@ class Soak:
             "memory": self.memory.report(),
             "clients_stuck": clients_stuck,
             "server_died": died,
+            "server_exit": self.triton.exit_reason(),  # why it died, if it did
         }
         report["ok"] = not died and not clients_stuck and held == 0 and all(
             report["outcomes"][o.value] == 0 for o in BAD_OUTCOMES)
@@ -395,7 +396,7 @@ def _name(proc: procfs.Process) -> str:
 def print_report(report: dict[str, Any]) -> None:
     print(f"\nsoak: {report['sent']} requests in {report['duration_s']:.0f} s")
     if report["server_died"]:
-        print("  TRITONSERVER DIED (see the end of its log above)")
+        print(f"  TRITONSERVER DIED: {report['server_exit']} (the end of its log is above)")
     for name, count in report["outcomes"].items():
         print(f"  {name:<16} {count}")
     print(f"  migrations {report['migrations']:.0f}, unserved {report['unserved']:.0f}, "

@@ -20,6 +20,7 @@ from python_backends.engine.builder import reshard_engine
 from tests.e2e.conftest import (
     ENGINE_DIR,
     KILLED_BY_TESTS,
+    KILLS_STUBS,
     PROMPTS,
     Reference,
     Server,
@@ -29,7 +30,7 @@ from tests.e2e.conftest import (
 )
 from tests.e2e.test_parallel import expect_ranks, rank_pids, worker_serving
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, KILLS_STUBS]
 STREAMS = [*PROMPTS, "Write a short poem about the sea.", "List the planets of the solar system:"]
 LONG = 64  # tokens per stream: the kill lands mid-stream
 FILLER = " ".join(["The quick brown fox jumps over the lazy dog."] * 40)  # ~400 tokens

@@ -21,6 +21,7 @@ from python_backends.engine.builder import reshard_engine, write_engine
 from tests.e2e.conftest import (
     ENGINE_DIR,
     KILLED_BY_TESTS,
+    KILLS_STUBS,
     MAX_TOKENS,
     PROMPTS,
     Reference,
@@ -109,6 +110,7 @@ def random_model(kind: str, out: Path, layout: ParallelLayout) -> Any:
     return hf
 
 
+@KILLS_STUBS  # a rank (the llama case)
 @pytest.mark.parametrize("kind,layout", [("llama", ParallelLayout(tp=2)),
                                          ("mixtral", ParallelLayout(ep=2))], ids=["tp2", "ep2"])
 def test_random_model_split_matches_hf(server: Server, reference: Reference, tmp_path: Path,

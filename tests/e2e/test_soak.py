@@ -12,12 +12,20 @@ from pathlib import Path
 
 import pytest
 
+from python_backends.launcher import UPSTREAM_ABORT
 from tests.e2e.conftest import ENGINE_DIR
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _triton_aborted(error: BaseException) -> bool:
+    """Triton 2.51's own abort when a killed stub held a shared-memory lock (docs/platform.md):
+    the soak runs once more; any other failure, or the abort twice, fails."""
+    return UPSTREAM_ABORT in str(error)
+
+
+@pytest.mark.flaky(reruns=1, condition=_triton_aborted)
 def test_short_soak_under_faults(tmp_path: Path) -> None:
     report_file = tmp_path / "soak.json"
     proc = subprocess.run(
@@ -28,6 +36,7 @@ def test_short_soak_under_faults(tmp_path: Path) -> None:
     print(proc.stdout[-8000:])
     assert report_file.is_file(), proc.stderr[-3000:]
     report = json.loads(report_file.read_text())
+    assert not report["server_died"], report["server_exit"]
     outcomes = report["outcomes"]
     assert outcomes["hung"] == outcomes["mismatched"] == 0, report["examples"]
     assert outcomes["server_error"] == outcomes["unexpected"] == 0, report["examples"]

@@ -17,6 +17,7 @@ from python_backends.flag_board import NAME_PREFIX, SHM_DIR
 from python_backends.watchdog import live_stubs
 from tests.e2e.conftest import (
     KILLED_BY_TESTS,
+    KILLS_STUBS,
     MAX_TOKENS,
     PROMPTS,
     Reference,
@@ -24,7 +25,7 @@ from tests.e2e.conftest import (
     newest_stub,
 )
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, KILLS_STUBS]
 
 
 def test_killed_front_stub_is_restarted(server: Server, reference: Reference) -> None:

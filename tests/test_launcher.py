@@ -1,0 +1,59 @@
+"""serve.sh's supervision: a tritonserver that dies on its own is started again, and why it
+died is read from its log; one that keeps dying is given up on."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from python_backends import launcher
+from python_backends.launcher import UPSTREAM_ABORT, ServerOptions, TritonServer
+
+ABORT_LOG = f"""I1130 loading prefill
+terminate called after throwing an instance of '{UPSTREAM_ABORT}'
+  what():  {UPSTREAM_ABORT}
+Signal (6) received.
+ 0# 0x000056532DB7052D in tritonserver
+"""
+
+
+class DyingServer(TritonServer):
+    """A 'tritonserver' that writes an abort to its log and exits 134, every time."""
+
+    def __init__(self, log: Path) -> None:
+        super().__init__(ServerOptions(log_file=log))
+        self.starts = 0
+
+    def start(self) -> None:
+        self.starts += 1
+        assert self.options.log_file is not None
+        self.options.log_file.write_text(ABORT_LOG)
+        self.process = subprocess.Popen(["sh", "-c", "exit 134"])
+
+    def restart(self, timeout_s: float = 600.0) -> None:
+        self.process = None
+        self.start()
+
+
+def test_the_abort_is_read_from_the_log(tmp_path: Path) -> None:
+    server = DyingServer(tmp_path / "server.log")
+    assert server.exit_reason() is None  # not started
+    server.start()
+    assert server.process is not None
+    server.process.wait()
+    reason = server.exit_reason()
+    assert reason is not None and reason.startswith("exit code 134")
+    assert UPSTREAM_ABORT in reason and "Signal (6)" in reason
+
+
+def test_a_dying_server_is_restarted_until_it_dies_too_often(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    server = DyingServer(tmp_path / "server.log")
+    server.start()
+    assert launcher.supervise(server, max_restarts=3, window_s=60) == 134
+    assert server.starts == 4  # the first start and three restarts
+    out = capsys.readouterr().out
+    assert out.count("restarting it") == 3 and "giving up" in out and UPSTREAM_ABORT in out
