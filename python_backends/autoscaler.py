@@ -18,11 +18,17 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from python_backends.client import Labels, metric_delta, metric_sum, scrape
+from python_backends.client import (
+    Metrics,
+    histogram_quantile,
+    label_match,
+    metric_delta,
+    metric_sum,
+    scrape,
+)
 from python_backends.repository import TritonRepository
 
 log = logging.getLogger(__name__)
-Metrics = dict[str, dict[Labels, float]]
 
 
 @dataclass(frozen=True)
@@ -56,39 +62,8 @@ class Decision:
         return "up" if self.target > self.current else "down"
 
 
-def _matches(labels: Labels, want: dict[str, str]) -> bool:
-    return set(want.items()) <= labels
-
-
-def histogram_quantile(
-    q: float, before: Metrics, after: Metrics, name: str, **labels: str
-) -> float | None:
-    """The q-quantile of the observations between two scrapes (Prometheus' interpolation within
-    the bucket); None when nothing was observed."""
-    buckets: dict[float, float] = {}
-    for m, sign in ((after, 1.0), (before, -1.0)):
-        for k, v in m.get(f"{name}_bucket", {}).items():
-            if _matches(k, labels):
-                le = float(dict(k)["le"])
-                buckets[le] = buckets.get(le, 0.0) + sign * v
-    bounds = sorted(buckets)
-    if not bounds or buckets[bounds[-1]] <= 0:
-        return None
-    rank = q * buckets[bounds[-1]]
-    prev_bound, prev_count = 0.0, 0.0
-    for le in bounds:
-        count = buckets[le]
-        if count >= rank:
-            if math.isinf(le):
-                return prev_bound  # beyond the last finite bucket: its bound is all we know
-            width = count - prev_count
-            return prev_bound + (le - prev_bound) * ((rank - prev_count) / width if width else 1)
-        prev_bound, prev_count = le, count
-    return prev_bound
-
-
 def gauge_max(m: Metrics, name: str, **labels: str) -> float:
-    return max((v for k, v in m.get(name, {}).items() if _matches(k, labels)), default=0.0)
+    return max((v for k, v in m.get(name, {}).items() if label_match(k, labels)), default=0.0)
 
 
 class Autoscaler:

@@ -6,6 +6,7 @@ Used by the end-to-end tests and the benchmark; any Triton client works the same
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from collections.abc import Generator
@@ -108,6 +109,7 @@ def as_list(value: Any) -> list[Any]:
 
 
 Labels = frozenset[tuple[str, str]]
+Metrics = dict[str, dict[Labels, float]]  # a scrape: metric name -> labels -> value
 
 
 def scrape(metrics_url: str) -> dict[str, dict[Labels, float]]:
@@ -162,3 +164,34 @@ def percentile(values: list[float], q: float) -> float:
     k = (len(s) - 1) * q
     lo, hi = int(k), min(int(k) + 1, len(s) - 1)
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def label_match(labels: Labels, want: dict[str, str]) -> bool:
+    return set(want.items()) <= labels
+
+
+def histogram_quantile(
+    q: float, before: Metrics, after: Metrics, name: str, **labels: str
+) -> float | None:
+    """The q-quantile of the observations between two scrapes (Prometheus' interpolation within
+    the bucket); None when nothing was observed."""
+    buckets: dict[float, float] = {}
+    for m, sign in ((after, 1.0), (before, -1.0)):
+        for k, v in m.get(f"{name}_bucket", {}).items():
+            if label_match(k, labels):
+                le = float(dict(k)["le"])
+                buckets[le] = buckets.get(le, 0.0) + sign * v
+    bounds = sorted(buckets)
+    if not bounds or buckets[bounds[-1]] <= 0:
+        return None
+    rank = q * buckets[bounds[-1]]
+    prev_bound, prev_count = 0.0, 0.0
+    for le in bounds:
+        count = buckets[le]
+        if count >= rank:
+            if math.isinf(le):
+                return prev_bound  # beyond the last finite bucket: its bound is all we know
+            width = count - prev_count
+            return prev_bound + (le - prev_bound) * ((rank - prev_count) / width if width else 1)
+        prev_bound, prev_count = le, count
+    return prev_bound

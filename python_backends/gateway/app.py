@@ -30,6 +30,7 @@ from python_backends.wire import CLIENT_INPUTS
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is there
 CLIENT_CLOSED = 499  # the status counted for a request whose client went away
 SSE_DONE = "data: [DONE]\n\n"
+REGION_HEADER = "x-region"  # the client's region, for latency-aware routing
 
 
 @dataclass
@@ -142,7 +143,10 @@ async def _openai(gw: Gateway, request: Request, parse: Callable[[Any], Generati
         tenant = gw.tenant(dict(request.headers), gen.user)
         if gen.chat:
             gen.prompt = gw.chat_prompt(gen.messages)
-        gw.admit(tenant, gw.count_tokens(gen.prompt), gen.max_tokens)
+        token_ids = gw.tokens(gen.prompt)
+        gw.admit(tenant, len(token_ids), gen.max_tokens)
+    route = gw.route_request(tenant, gen.user, request.headers.get(REGION_HEADER, ""),
+                             token_ids, gen.cache_salt)
     inputs: dict[str, Any] = {"text_input": gen.prompt, "stream": True, **gen.sampling}
     if gen.max_tokens is not None:
         inputs["max_tokens"] = gen.max_tokens
@@ -150,7 +154,7 @@ async def _openai(gw: Gateway, request: Request, parse: Callable[[Any], Generati
         inputs["return_log_probs"] = True
     if gen.cache_salt is not None:
         inputs["cache_salt"] = gen.cache_salt
-    call = await gw.open(inputs, {"tenant": tenant}, endpoint, arrived)
+    call = await gw.open(inputs, {"tenant": tenant}, route, endpoint, arrived)
     answer = Answer(gen, lambda t: str(gw.tokenizer.decode([t])))
     if gen.stream:
         return StreamingResponse(_sse(gw, call, answer, endpoint),
@@ -250,9 +254,12 @@ async def _kserve(gw: Gateway, request: Request, model: str, streaming: bool) ->
         tenant = gw.tenant(dict(request.headers), parameters.get("tenant"))
         parameters["tenant"] = tenant
         text = inputs.get("text_input")
-        gw.admit(tenant, gw.count_tokens(text) if isinstance(text, str) else 0,
-                 inputs.get("max_tokens"))
-    call = await gw.open({**inputs, "stream": streaming}, parameters, endpoint, arrived)
+        token_ids = gw.tokens(text) if isinstance(text, str) else []
+        gw.admit(tenant, len(token_ids), inputs.get("max_tokens"))
+    salt = inputs.get("cache_salt")
+    route = gw.route_request(tenant, None, request.headers.get(REGION_HEADER, ""), token_ids,
+                             salt if isinstance(salt, str) else None)
+    call = await gw.open({**inputs, "stream": streaming}, parameters, route, endpoint, arrived)
     if streaming:
         return StreamingResponse(_kserve_sse(gw, call, endpoint),
                                  media_type="text/event-stream")

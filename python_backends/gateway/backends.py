@@ -9,18 +9,20 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
 import tritonclient.grpc.aio as grpcclient
 
-from python_backends.client import Labels, metric_sum, parse_metrics
+from python_backends.client import Metrics, histogram_quantile, metric_sum, parse_metrics
 from python_backends.gateway.config import BackendConfig, GatewayConfig
 from python_backends.gateway.routing import ServerView
 
 log = logging.getLogger(__name__)
 API_KEY_HEADER = "x-api-key"  # a server's own key (launcher --api-key)
+TTFT_WINDOW_S = 60.0  # latency-aware routing reads each server's TTFT p95 over this window
 
 
 class Backend:
@@ -31,8 +33,16 @@ class Backend:
         self.headers = {API_KEY_HEADER: config.api_key} if config.api_key else None
         self.ready = False
         self.last_answer = 0.0  # monotonic time of its last successful health check
-        self.metrics: dict[str, dict[Labels, float]] = {}
+        self.metrics: Metrics = {}
         self.in_flight = 0
+        self._history: deque[tuple[float, Metrics]] = deque()  # scrapes of the TTFT window
+
+    def ttft_p95(self) -> float | None:
+        """TTFT p95 of the requests that finished in the last TTFT_WINDOW_S (about)."""
+        if len(self._history) < 2:
+            return None
+        return histogram_quantile(0.95, self._history[0][1], self._history[-1][1],
+                                  "llm_time_to_first_token_seconds")
 
     def view(self, now: float, unhealthy_after_s: float) -> ServerView:
         m = self.metrics
@@ -44,7 +54,9 @@ class Backend:
             name=self.name, region=self.config.region, weight=self.config.weight,
             healthy=healthy, waiting=metric_sum(m, "llm_num_requests_waiting"),
             running=metric_sum(m, "llm_num_requests_running"),
-            kv_usage=max(usage.values(), default=0.0), in_flight=self.in_flight)
+            kv_usage=max(usage.values(), default=0.0),
+            kv_blocks_used=metric_sum(m, "llm_kv_cache_blocks_used"),
+            ttft_p95_s=self.ttft_p95(), canary=self.config.canary, in_flight=self.in_flight)
 
     @contextlib.contextmanager
     def opened(self) -> Iterator[None]:
@@ -75,7 +87,11 @@ class Backend:
             log.info("backend %s is ready", self.name)
         self.ready = bool(ready)
         self.metrics = parse_metrics(text)
-        self.last_answer = time.monotonic()
+        self.last_answer = now = time.monotonic()
+        self._history.append((now, self.metrics))
+        # keep one scrape at or before the window's start, as the baseline of the deltas
+        while len(self._history) > 2 and self._history[1][0] <= now - TTFT_WINDOW_S:
+            self._history.popleft()
 
 
 class BackendPool:

@@ -36,12 +36,50 @@ class BackendConfig:
     region: str = "default"
     weight: float = 1.0  # a larger weight takes proportionally more load
     api_key: str | None = None  # the server's own --api-key, if it has one
+    canary: bool = False  # serves the canary's share of users (RoutingConfig.canary_fraction)
 
     def __post_init__(self) -> None:
         if not self.name or not self.grpc or not self.metrics:
             raise ConfigError("backends: each needs a name, grpc and metrics")
         if self.weight <= 0:
             raise ConfigError(f"backends[{self.name}].weight: must be > 0, got {self.weight}")
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """How servers are chosen (gateway.routing; docs/gateway.md, "Choosing a server")."""
+
+    policy: str = "least_loaded"  # or "prefix_aware"
+    prefix_block_tokens: int = 16  # the prefix index's block (the engines' KV block size)
+    overlap_weight: float = 1.0  # prefix_aware: a block to compute against a block held
+    latency_bound_s: float | None = None  # prefer the client's region while TTFT p95 <= this
+    canary_fraction: float = 0.0  # users sent to the canary servers first
+    residency: dict[str, tuple[str, ...]] = field(default_factory=dict)  # tenant -> regions
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ConfigError(f"routing.policy: one of {POLICIES}, got {self.policy!r}")
+        if self.prefix_block_tokens < 1:
+            raise ConfigError("routing.prefix_block_tokens: must be >= 1")
+        if not 0.0 <= self.canary_fraction <= 1.0:
+            raise ConfigError(f"routing.canary_fraction: must be in [0, 1], got "
+                              f"{self.canary_fraction}")
+        if self.latency_bound_s is not None and self.latency_bound_s <= 0:
+            raise ConfigError("routing.latency_bound_s: must be > 0")
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> RoutingConfig:
+        if not isinstance(raw, dict):
+            raise ConfigError("routing: must be an object")
+        try:
+            residency = {str(t): tuple(str(r) for r in regions)
+                         for t, regions in raw.get("residency", {}).items()}
+            return cls(**{**raw, "residency": residency})
+        except (TypeError, AttributeError) as e:
+            raise ConfigError(f"routing: {e}") from None
+
+
+POLICIES = ("least_loaded", "prefix_aware")
 
 
 @dataclass(frozen=True)
@@ -55,6 +93,7 @@ class GatewayConfig:
     unhealthy_after_s: float = 3.0  # a server silent this long leaves the rotation
     max_attempts: int = 3  # servers tried for a request that has produced nothing yet
     request_timeout_s: float = 600.0
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
 
     def __post_init__(self) -> None:
         if not self.backends:
@@ -67,7 +106,7 @@ class GatewayConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> GatewayConfig:
-        known = {"backends", "model", "engine_dir", "api_keys", "rate_limits",
+        known = {"backends", "model", "engine_dir", "api_keys", "rate_limits", "routing",
                  "health_interval_s", "unhealthy_after_s", "max_attempts", "request_timeout_s"}
         unknown = sorted(set(raw) - known)
         if unknown:
@@ -88,7 +127,8 @@ class GatewayConfig:
         engine_dir = Path(raw["engine_dir"]) if raw.get("engine_dir") else None
         return cls(backends=backends, engine_dir=engine_dir,
                    api_keys={str(k): str(v) for k, v in api_keys.items()},
-                   rate_limits=limits, **extra)
+                   rate_limits=limits, routing=RoutingConfig.from_dict(raw.get("routing", {})),
+                   **extra)
 
     @classmethod
     def load(cls, path: Path) -> GatewayConfig:

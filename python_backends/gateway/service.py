@@ -17,7 +17,16 @@ from python_backends.gateway.backends import Backend, BackendPool
 from python_backends.gateway.config import GatewayConfig
 from python_backends.gateway.errors import ApiError
 from python_backends.gateway.metrics import GatewayMetrics
-from python_backends.gateway.routing import LeastLoaded, RoutingPolicy
+from python_backends.gateway.routing import (
+    Canary,
+    LatencyAware,
+    LeastLoaded,
+    PrefixAware,
+    Residency,
+    RouteRequest,
+    RoutingPolicy,
+    prefix_hashes,
+)
 from python_backends.gateway.triton import Piece, stream
 from python_backends.wire import DEFAULT_TENANT
 
@@ -54,7 +63,7 @@ class Gateway:
         self.pool = pool
         self.tokenizer = tokenizer
         self.metrics = metrics
-        self.policy = policy or LeastLoaded()
+        self.policy = policy or build_policy(config)
         self.rate_limiter = RateLimiter(config.rate_limits)
 
     def tenant(self, headers: dict[str, str], user: str | None) -> str:
@@ -80,8 +89,17 @@ class Gateway:
         except Rejected as e:
             raise ApiError(429, str(e)) from None
 
-    def count_tokens(self, text: str) -> int:
-        return len(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+    def tokens(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+
+    def route_request(self, tenant: str, user: str | None, region: str, token_ids: list[int],
+                      cache_salt: str | None) -> RouteRequest:
+        """What routing needs of a request; the prefix only when a policy reads it."""
+        routing = self.config.routing
+        prefix = prefix_hashes(token_ids, routing.prefix_block_tokens,
+                               cache_salt or f"tenant:{tenant}") if (
+            routing.policy == "prefix_aware") else ()
+        return RouteRequest(tenant=tenant, user=user or "", region=region, prefix=prefix)
 
     def chat_prompt(self, messages: list[dict[str, str]]) -> str:
         try:
@@ -91,13 +109,15 @@ class Gateway:
             raise ApiError(400, f"invalid request field 'messages': {e}", "messages") from None
 
     async def open(self, inputs: dict[str, Any], parameters: dict[str, str],
-                   endpoint: str, arrived: float) -> Call:
+                   route: RouteRequest, endpoint: str, arrived: float) -> Call:
         """Send the request to the best server that takes it: a server that fails it before
         its first piece with a retryable error (down, overloaded, no engine left) passes it
         to the next, up to `max_attempts` servers."""
-        ranked = self.policy.rank(self.pool.views())
+        ranked = self.policy.rank(self.pool.views(), route)
         if not ranked:
-            raise ApiError(503, "no healthy backend server")
+            raise ApiError(503, "no healthy backend server" + (
+                f" in the regions tenant '{route.tenant}' may use"
+                if route.tenant in self.config.routing.residency else ""))
         error = ApiError(503, "no healthy backend server")
         for attempt, view in enumerate(ranked[:self.config.max_attempts]):
             backend = self.pool.backends[view.name]
@@ -122,6 +142,7 @@ class Gateway:
                 backend.in_flight -= 1
                 await rest.aclose()  # type: ignore[attr-defined]
                 raise
+            self.policy.record(backend.name, route)
             return Call(backend, first, rest)
         raise error
 
@@ -132,3 +153,18 @@ class Gateway:
 
             return Path(DEFAULT_ENGINE_DIR)
         return config.engine_dir
+
+
+def build_policy(config: GatewayConfig) -> RoutingPolicy:
+    """The configured chain: residency filters, the canary splits, latency prefers the
+    client's region, and least-loaded or prefix-aware orders (docs/gateway.md)."""
+    r = config.routing
+    policy: RoutingPolicy = (PrefixAware(r.overlap_weight) if r.policy == "prefix_aware"
+                             else LeastLoaded())
+    if r.latency_bound_s is not None:
+        policy = LatencyAware(policy, r.latency_bound_s)
+    if r.canary_fraction > 0:
+        policy = Canary(policy, r.canary_fraction)
+    if r.residency:
+        policy = Residency(policy, {t: frozenset(rs) for t, rs in r.residency.items()})
+    return policy

@@ -51,6 +51,12 @@ def test_a_config_file_with_two_servers(tmp_path: Path) -> None:
     ({"backends": [{"name": "a", "grpc": "h:1", "metrics": "u"}], "color": "red"}, "color"),
     ({"backends": [{"name": "a", "grpc": "h:1", "metrics": "u"}],
       "rate_limits": {"t": {"requests_per_s": -1}}}, "rate_limits"),
+    ({"backends": [{"name": "a", "grpc": "h:1", "metrics": "u"}],
+      "routing": {"policy": "random"}}, "routing.policy"),
+    ({"backends": [{"name": "a", "grpc": "h:1", "metrics": "u"}],
+      "routing": {"canary_fraction": 2}}, "routing.canary_fraction"),
+    ({"backends": [{"name": "a", "grpc": "h:1", "metrics": "u"}],
+      "routing": {"sticky": True}}, "routing"),
 ])
 def test_bad_configs_name_the_field(raw: dict[str, object], field: str) -> None:
     with pytest.raises(ConfigError, match=field):

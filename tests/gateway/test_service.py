@@ -15,6 +15,7 @@ from python_backends.gateway.backends import BackendPool
 from python_backends.gateway.config import BackendConfig, GatewayConfig
 from python_backends.gateway.errors import ApiError
 from python_backends.gateway.metrics import GatewayMetrics
+from python_backends.gateway.routing import RouteRequest
 from python_backends.gateway.service import Gateway
 from python_backends.gateway.triton import Piece
 
@@ -53,7 +54,7 @@ def _fake_servers(monkeypatch: pytest.MonkeyPatch, errors: dict[str, ApiError]) 
 
 def _open(gw: Gateway) -> service.Call:
     async def run() -> service.Call:
-        call = await gw.open({"text_input": "x"}, {}, "completions", 0.0)
+        call = await gw.open({"text_input": "x"}, {}, RouteRequest("t"), "completions", 0.0)
         await call.close()
         return call
 
