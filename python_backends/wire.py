@@ -175,6 +175,9 @@ class GenerationRequest:
     # Prefix-cache isolation: only requests with the same salt share cached KV. The client's
     # `cache_salt`, else (set by the front) its tenant's.
     cache_salt: str = ""
+    # Tokens another server generated before it failed (the gateway moved the request): they
+    # count toward max_tokens and are computed with the prompt; only new tokens are streamed.
+    resume_ids: list[int] = field(default_factory=list)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -344,6 +347,7 @@ CLIENT_INPUTS: dict[str, TensorSpec] = {name: TensorSpec(name, kind, optional=Tr
     ("return_log_probs", Kind.BOOL),
     ("priority", Kind.INT),
     ("cache_salt", Kind.TEXT),
+    ("resume_ids", Kind.INTS),  # a request moved from another server: its tokens so far
 )}
 
 # Model name -> (its inputs, its outputs). Prefill takes an EngineRequest without the handoff.

@@ -29,6 +29,13 @@ class RequestStream:
     last_token_time: float | None = None
     finish_reason: str = ""
 
+    def resume(self, token_ids: list[int]) -> None:
+        """Tokens generated before, on a server that failed: they count as output (toward
+        max_tokens, and as context of the next chunk's text) but are never sent again. Their
+        log-probabilities are not known here (0)."""
+        self.output_ids.extend(token_ids)
+        self.logprobs.extend([0.0] * len(token_ids))
+
     def add(
         self, token_ids: list[int], logprobs: list[float], finish_reason: str
     ) -> ClientChunk | None:

@@ -101,6 +101,7 @@ def parse_request(
     tokenize: Tokenize,
     limits: EngineLimits,
     eos_ids: tuple[int, ...],
+    vocab_size: int | None = None,
 ) -> GenerationRequest:
     """Validate ensemble inputs and tokenize the prompt and word lists."""
     _check_names(inputs, parameters)
@@ -123,6 +124,7 @@ def parse_request(
         stop_sequences=_word_list(inputs, "stop_words", tokenize),
         bad_sequences=_word_list(inputs, "bad_words", tokenize),
     )
+    resume_ids = _resume_ids(inputs, max_tokens, vocab_size)
     return GenerationRequest(
         prompt_ids=prompt_ids,
         params=params,
@@ -131,6 +133,7 @@ def parse_request(
         tenant=_tenant(parameters),
         priority=_priority(v, parameters),
         cache_salt=_cache_salt(inputs, parameters),
+        resume_ids=resume_ids,
         **{name: _choice(name, parameters, choices) for name, choices in
            ROUTING_PARAMETERS.items() if name in parameters},
     )
@@ -239,6 +242,25 @@ def _priority(values: Mapping[str, Any], parameters: Mapping[str, Any]) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_PRIORITY:
         raise InvalidRequest("priority", f"must be an integer 0-{MAX_PRIORITY}, got {value!r}")
     return value
+
+
+def _resume_ids(inputs: Mapping[str, np.ndarray], max_tokens: int,
+                vocab_size: int | None) -> list[int]:
+    """The `resume_ids` input: tokens generated before, by a server that failed; fewer than
+    `max_tokens`, which counts them."""
+    if "resume_ids" not in inputs:
+        return []
+    arr = inputs["resume_ids"]
+    if arr.dtype.kind not in "iu":
+        raise InvalidRequest("resume_ids", f"expected an integer type, got {arr.dtype}")
+    ids = [int(t) for t in arr.reshape(-1)]
+    if len(ids) >= max_tokens:
+        raise InvalidRequest("resume_ids", f"{len(ids)} tokens leave nothing to generate "
+                             f"within max_tokens {max_tokens}")
+    bad = [t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)]
+    if bad:
+        raise InvalidRequest("resume_ids", f"token id {bad[0]} is outside the vocabulary")
+    return ids
 
 
 def _cache_salt(inputs: Mapping[str, np.ndarray], parameters: Mapping[str, Any]) -> str:

@@ -247,6 +247,7 @@ class FrontModel:
         link.attach(self.board, ticket, lambda: self.admission.leave(prompt_tokens))
         state = RequestStream(req.prompt_ids, req.stream, req.exclude_input_in_output,
                               req.params.return_log_probs, self.board.name, ticket)
+        state.resume(req.resume_ids)
         self.prober.add(link)
         try:
             self._route(req, state, link)
@@ -258,6 +259,12 @@ class FrontModel:
             self.metrics.finished(state)
 
     def _route(self, req: GenerationRequest, state: RequestStream, link: ClientLink) -> None:
+        if req.resume_ids:  # moved here from another server: an engine computes them with
+            # the prompt and goes on (no prefill: there is more than a prompt to compute)
+            self.metrics.routed(Route.AGGREGATED.value)
+            self._generate(self.worker_model or self.decode_model, EngineRequest(
+                req, self.board.name, link.ticket, resume_ids=list(req.resume_ids)), state, link)
+            return
         try:
             route = self.router.choose(req.route, len(req.prompt_ids))
         except InvalidRequest as e:

@@ -31,7 +31,7 @@ class PreprocessingModel:
                 req = parse_request(
                     inputs_of(request), json.loads(request.parameters() or "{}"),
                     self._tokenize, self.config.limits,
-                    self.config.tokenizer.eos_token_ids,
+                    self.config.tokenizer.eos_token_ids, self.config.model.vocab_size,
                 )
             except InvalidRequest as e:
                 responses.append(error_response(str(e)))

@@ -40,3 +40,12 @@ def test_only_a_probe_reports_nothing() -> None:
     whole = RequestStream([1], stream=False, exclude_input_in_output=True,
                           return_log_probs=False).add([], [], "cancelled")
     assert whole is not None and not whole.is_probe
+
+
+def test_resumed_tokens_are_context_and_counted_but_never_sent_again() -> None:
+    s = RequestStream([1], stream=True, exclude_input_in_output=True, return_log_probs=False)
+    s.resume([7, 8, 9])
+    c = s.add([10], [-0.5], "")
+    assert c is not None and c.output_ids == [10]
+    assert c.tokens == [7, 8, 9, 10] and c.prefix_len == 3  # detokenized in context
+    assert c.num_output_tokens == 4

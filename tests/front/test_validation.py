@@ -121,3 +121,25 @@ def test_cache_salt_from_input_or_parameter() -> None:
         with pytest.raises(InvalidRequest) as e:
             parse(params, text_input=text("x"), **inputs)
         assert e.value.field == "cache_salt"
+
+
+def test_resume_ids_carry_tokens_generated_elsewhere() -> None:
+    ids = np.array([[5, 6, 7]], dtype=np.int32)
+    req = parse_request({"text_input": text("hi"), "max_tokens": i32(8), "resume_ids": ids},
+                        {}, tokenize, LIMITS, (2,), vocab_size=100)
+    assert req.resume_ids == [5, 6, 7]
+    assert GenerationRequest.from_json(req.to_json()) == req
+    assert parse(text_input=text("hi")).resume_ids == []
+
+
+@pytest.mark.parametrize(("ids", "message"), [
+    (np.array([[1, 2, 3, 4]], dtype=np.int32), "nothing to generate"),
+    (np.array([[1.0]], dtype=np.float32), "integer"),
+    (np.array([[1, 100]], dtype=np.int32), "outside the vocabulary"),
+    (np.array([[-1]], dtype=np.int32), "outside the vocabulary"),
+])
+def test_bad_resume_ids_are_refused_by_name(ids: np.ndarray, message: str) -> None:
+    with pytest.raises(InvalidRequest, match=message) as e:
+        parse_request({"text_input": text("hi"), "max_tokens": i32(4), "resume_ids": ids},
+                      {}, tokenize, LIMITS, (2,), vocab_size=100)
+    assert e.value.field == "resume_ids"
