@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
@@ -22,11 +23,12 @@ from python_backends.gateway.errors import ApiError
 from python_backends.gateway.metrics import GatewayMetrics
 from python_backends.gateway.protocol import Generation, parse_chat, parse_completion
 from python_backends.gateway.responses import Answer
-from python_backends.gateway.service import Call, Gateway
+from python_backends.gateway.service import BackendRequest, Call, Gateway
 from python_backends.gateway.stops import StopMatcher
 from python_backends.gateway.triton import ENSEMBLE, Piece
 from python_backends.wire import CLIENT_INPUTS
 
+log = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is there
 CLIENT_CLOSED = 499  # the status counted for a request whose client went away
 SSE_DONE = "data: [DONE]\n\n"
@@ -154,7 +156,7 @@ async def _openai(gw: Gateway, request: Request, parse: Callable[[Any], Generati
         inputs["return_log_probs"] = True
     if gen.cache_salt is not None:
         inputs["cache_salt"] = gen.cache_salt
-    call = await gw.open(inputs, {"tenant": tenant}, route, endpoint, arrived)
+    call = await gw.open(BackendRequest(inputs, {"tenant": tenant}, route, endpoint), arrived)
     answer = Answer(gen, lambda t: str(gw.tokenizer.decode([t])))
     if gen.stream:
         return StreamingResponse(_sse(gw, call, answer, endpoint),
@@ -198,12 +200,18 @@ async def _sse(gw: Gateway, call: Call, answer: Answer, endpoint: str) -> AsyncI
         if answer.gen.include_usage:
             yield f"data: {json.dumps(answer.usage_chunk())}\n\n"
         gw.metrics.count(endpoint, call.backend, 200)
-    except ApiError as e:  # the stream has begun: the error goes as an event
-        gw.metrics.count(endpoint, call.backend, e.status)
-        yield f"data: {json.dumps(e.body())}\n\n"
+    except Exception as e:  # the stream has begun: the error goes as an event
+        error = e if isinstance(e, ApiError) else _internal(e)
+        gw.metrics.count(endpoint, call.backend, error.status)
+        yield f"data: {json.dumps(error.body())}\n\n"
     finally:
         await call.close()  # also when the client went away: the server ends the request
     yield SSE_DONE
+
+
+def _internal(e: Exception) -> ApiError:
+    log.exception("gateway bug", exc_info=e)
+    return ApiError(500, f"the gateway failed: {type(e).__name__}: {e}")
 
 
 async def _whole(gw: Gateway, request: Request, call: Call, answer: Answer,
@@ -259,7 +267,8 @@ async def _kserve(gw: Gateway, request: Request, model: str, streaming: bool) ->
     salt = inputs.get("cache_salt")
     route = gw.route_request(tenant, None, request.headers.get(REGION_HEADER, ""), token_ids,
                              salt if isinstance(salt, str) else None)
-    call = await gw.open({**inputs, "stream": streaming}, parameters, route, endpoint, arrived)
+    upstream = BackendRequest({**inputs, "stream": streaming}, parameters, route, endpoint)
+    call = await gw.open(upstream, arrived)
     if streaming:
         return StreamingResponse(_kserve_sse(gw, call, endpoint),
                                  media_type="text/event-stream")
@@ -279,9 +288,10 @@ async def _kserve_sse(gw: Gateway, call: Call, endpoint: str) -> AsyncIterator[s
         async for piece in call.pieces():
             yield f"data: {json.dumps(_kserve_outputs(piece))}\n\n"
         gw.metrics.count(endpoint, call.backend, 200)
-    except ApiError as e:
-        gw.metrics.count(endpoint, call.backend, e.status)
-        yield f"data: {json.dumps({'error': e.message})}\n\n"
+    except Exception as e:
+        error = e if isinstance(e, ApiError) else _internal(e)
+        gw.metrics.count(endpoint, call.backend, error.status)
+        yield f"data: {json.dumps({'error': error.message})}\n\n"
     finally:
         await call.close()
 

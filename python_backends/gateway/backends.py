@@ -19,9 +19,9 @@ import tritonclient.grpc.aio as grpcclient
 from python_backends.client import Metrics, histogram_quantile, metric_sum, parse_metrics
 from python_backends.gateway.config import BackendConfig, GatewayConfig
 from python_backends.gateway.routing import ServerView
+from python_backends.repository import GRPC_API_KEY_HEADER
 
 log = logging.getLogger(__name__)
-API_KEY_HEADER = "x-api-key"  # a server's own key (launcher --api-key)
 TTFT_WINDOW_S = 60.0  # latency-aware routing reads each server's TTFT p95 over this window
 
 
@@ -30,7 +30,8 @@ class Backend:
         self.config = config
         self.name = config.name
         self.client: Any = None  # made in the event loop that uses it (`connect`)
-        self.headers = {API_KEY_HEADER: config.api_key} if config.api_key else None
+        # a server's own key (launcher --api-key), in Triton's gRPC metadata name for it
+        self.headers = {GRPC_API_KEY_HEADER: config.api_key} if config.api_key else None
         self.ready = False
         self.last_answer = 0.0  # monotonic time of its last successful health check
         self.metrics: Metrics = {}

@@ -92,6 +92,7 @@ class GatewayConfig:
     health_interval_s: float = 1.0  # readiness and load are read this often per server
     unhealthy_after_s: float = 3.0  # a server silent this long leaves the rotation
     max_attempts: int = 3  # servers tried for a request that has produced nothing yet
+    migration_limit: int = 3  # times a stream cut mid-way moves to another server
     request_timeout_s: float = 600.0
     routing: RoutingConfig = field(default_factory=RoutingConfig)
 
@@ -107,7 +108,8 @@ class GatewayConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> GatewayConfig:
         known = {"backends", "model", "engine_dir", "api_keys", "rate_limits", "routing",
-                 "health_interval_s", "unhealthy_after_s", "max_attempts", "request_timeout_s"}
+                 "health_interval_s", "unhealthy_after_s", "max_attempts", "migration_limit",
+                 "request_timeout_s"}
         unknown = sorted(set(raw) - known)
         if unknown:
             raise ConfigError(f"unknown field(s) {unknown}; known: {sorted(known)}")
@@ -123,7 +125,8 @@ class GatewayConfig:
         except (TypeError, ValueError) as e:
             raise ConfigError(f"rate_limits: {e}") from None
         extra = {k: raw[k] for k in ("model", "health_interval_s", "unhealthy_after_s",
-                                     "max_attempts", "request_timeout_s") if k in raw}
+                                     "max_attempts", "migration_limit", "request_timeout_s")
+                 if k in raw}
         engine_dir = Path(raw["engine_dir"]) if raw.get("engine_dir") else None
         return cls(backends=backends, engine_dir=engine_dir,
                    api_keys={str(k): str(v) for k, v in api_keys.items()},

@@ -22,6 +22,10 @@ class GatewayMetrics:
         self.retries = Counter(
             "gateway_retries", "Requests passed to this server after another failed them "
             "before their first token", ["backend"], registry=self.registry)
+        self.migrations = Counter(
+            "gateway_migrations", "Streams a server broke mid-way that went on on this server "
+            "(the prompt and the tokens so far sent to it)", ["backend"],
+            registry=self.registry)
         self.overhead = Histogram(
             "gateway_request_overhead_seconds", "Time from a request's arrival to its hand-off "
             "to a server: parsing, auth, rate limits, templating, routing",

@@ -5,9 +5,10 @@ token. The HTTP layer (gateway.app) only shapes requests and answers."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,22 +32,59 @@ from python_backends.gateway.triton import Piece, stream
 from python_backends.wire import DEFAULT_TENANT
 
 BEARER = "bearer "
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class BackendRequest:
+    """What the gateway sends a server, kept to send it again elsewhere."""
+
+    inputs: dict[str, Any]
+    parameters: dict[str, str]
+    route: RouteRequest
+    endpoint: str
 
 
 @dataclass
 class Call:
-    """A request a server accepted: its first piece, and the rest to read. `close` ends it on
-    the server too when the caller stops reading early."""
+    """A request a server accepted: its first piece, and the rest to read. A stream the
+    server breaks after that (it died, or has no engine left) goes on on another server from
+    the tokens received so far (`Gateway.move`): the reader sees one stream. `close` ends the
+    request on the server too when the reader stops early."""
 
+    gateway: Gateway
+    request: BackendRequest
     backend: Backend
     first: Piece
     rest: AsyncIterator[Piece]
+    token_ids: list[int] = field(default_factory=list)  # received so far, over all servers
+    moves: int = 0
     _closed: bool = False
 
     async def pieces(self) -> AsyncIterator[Piece]:
-        yield self.first
-        async for piece in self.rest:
+        piece: Piece | None = self.first
+        while piece is not None:
+            self.token_ids += piece.token_ids
             yield piece
+            if piece.finish_reason:
+                return
+            piece = await self._next()
+
+    async def _next(self) -> Piece | None:
+        try:
+            return await anext(self.rest)
+        except StopAsyncIteration:
+            return None
+        except ApiError as e:
+            if not e.retryable or not self.request.inputs.get("stream"):
+                raise
+            return await self.gateway.move(self, e)
+
+    def switch(self, backend: Backend, rest: AsyncIterator[Piece]) -> None:
+        """Go on reading from another server (the failed one's request is over)."""
+        self.backend.in_flight -= 1
+        self.backend, self.rest = backend, rest
+        self.moves += 1
 
     async def close(self) -> None:
         if not self._closed:
@@ -108,12 +146,35 @@ class Gateway:
         except Exception as e:  # a template that rejects the conversation (roles, order)
             raise ApiError(400, f"invalid request field 'messages': {e}", "messages") from None
 
-    async def open(self, inputs: dict[str, Any], parameters: dict[str, str],
-                   route: RouteRequest, endpoint: str, arrived: float) -> Call:
+    async def open(self, request: BackendRequest, arrived: float) -> Call:
         """Send the request to the best server that takes it: a server that fails it before
         its first piece with a retryable error (down, overloaded, no engine left) passes it
         to the next, up to `max_attempts` servers."""
-        ranked = self.policy.rank(self.pool.views(), route)
+        self.metrics.overhead.observe(time.monotonic() - arrived)
+        backend, first, rest = await self._first_piece(request, request.inputs, exclude=())
+        return Call(self, request, backend, first, rest)
+
+    async def move(self, call: Call, error: ApiError) -> Piece:
+        """The server streaming `call` failed mid-way: send the prompt and the tokens so far
+        (`resume_ids`) to another server and return its first piece; the client's stream goes
+        on with no gap and no duplicate. Raises `error` past the migration limit."""
+        failed = call.backend.name
+        self.metrics.count(call.request.endpoint, call.backend, error.status)
+        if call.moves >= self.config.migration_limit:
+            raise ApiError(error.status, f"{error.message} (moved {call.moves} times already)")
+        inputs = {**call.request.inputs, "resume_ids": list(call.token_ids)}
+        backend, first, rest = await self._first_piece(call.request, inputs, exclude=(failed,))
+        self.metrics.migrations.labels(backend=backend.name).inc()
+        log.warning("stream moved from %s to %s after %d tokens: %s", failed, backend.name,
+                    len(call.token_ids), error.message)
+        call.switch(backend, rest)
+        return first
+
+    async def _first_piece(self, request: BackendRequest, inputs: dict[str, Any],
+                           exclude: tuple[str, ...]) -> tuple[Backend, Piece, AsyncIterator[Piece]]:
+        route = request.route
+        ranked = [v for v in self.policy.rank(self.pool.views(), route)
+                  if v.name not in exclude]
         if not ranked:
             raise ApiError(503, "no healthy backend server" + (
                 f" in the regions tenant '{route.tenant}' may use"
@@ -123,17 +184,15 @@ class Gateway:
             backend = self.pool.backends[view.name]
             if attempt:
                 self.metrics.retries.labels(backend=backend.name).inc()
-            else:
-                self.metrics.overhead.observe(time.monotonic() - arrived)
             backend.in_flight += 1
-            rest = stream(backend.client, inputs, parameters, backend.headers,
+            rest = stream(backend.client, inputs, request.parameters, backend.headers,
                           self.config.request_timeout_s)
             try:
                 first = await anext(rest)
             except ApiError as e:
                 backend.in_flight -= 1
                 await rest.aclose()  # type: ignore[attr-defined]
-                self.metrics.count(endpoint, backend, e.status)
+                self.metrics.count(request.endpoint, backend, e.status)
                 if not e.retryable:
                     raise
                 error = e
@@ -143,7 +202,7 @@ class Gateway:
                 await rest.aclose()  # type: ignore[attr-defined]
                 raise
             self.policy.record(backend.name, route)
-            return Call(backend, first, rest)
+            return backend, first, rest
         raise error
 
     @staticmethod

@@ -22,6 +22,7 @@ from python_backends.gateway.errors import ApiError, from_triton
 from python_backends.wire import CLIENT_INPUTS, FINISH_ERROR, Kind
 
 ENSEMBLE = "ensemble"
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 _DTYPES = {Kind.INT: ("INT32", np.int32), Kind.UINT64: ("UINT64", np.uint64),
            Kind.FLOAT: ("FP32", np.float32), Kind.BOOL: ("BOOL", np.bool_)}
 
@@ -50,6 +51,14 @@ def ensemble_inputs(values: dict[str, Any]) -> list[grpcclient.InferInput]:
             items = value if isinstance(value, list) else [value]
             arr = np.array([[str(v).encode() for v in items]], dtype=np.object_)
             triton_type = "BYTES"
+        elif spec.kind is Kind.INTS:
+            if not isinstance(value, list) or not all(
+                    isinstance(v, int) and not isinstance(v, bool) and INT32_MIN <= v <= INT32_MAX
+                    for v in value):
+                raise ApiError(400, f"invalid input '{name}': expected a list of INT32 "
+                               "integers", name)
+            arr = np.array([value], dtype=np.int32)
+            triton_type = "INT32"
         else:
             triton_type, np_type = _DTYPES[spec.kind]
             try:

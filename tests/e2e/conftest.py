@@ -3,7 +3,9 @@ Hugging Face transformers' greedy output as the reference."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -11,10 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
+import requests
 
 from python_backends import procfs
-from python_backends.client import GenerateError, LLMClient, metric_sum, scrape
+from python_backends.client import GenerateError, LLMClient, metric_sum, parse_metrics, scrape
 from python_backends.config import DEFAULT_ENGINE_DIR
 from python_backends.diagnostics import STACK_DUMP_SIGNAL
 from python_backends.launcher import UPSTREAM_ABORT, ServerOptions, TritonServer, free_port
@@ -238,3 +242,56 @@ def hf_greedy(prompts: list[str], max_tokens: int) -> Reference:
 @pytest.fixture(scope="session")
 def reference() -> Reference:
     return hf_greedy(PROMPTS, MAX_TOKENS)
+
+
+# --- the gateway (python_backends/gateway) in front of test servers ---
+
+GATEWAY_KEY = "sk-test"
+
+
+class Gateway:
+    def __init__(self, port: int, proc: subprocess.Popen[bytes], log: Path) -> None:
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc = proc
+        self.log = log
+
+    def openai(self, key: str = GATEWAY_KEY) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0,
+                             timeout=120)
+
+    def metrics(self) -> dict[str, dict[frozenset[tuple[str, str]], float]]:
+        return parse_metrics(requests.get(f"{self.url}/metrics", timeout=10).text)
+
+
+def start_gateway(tmp: Path, config: dict[str, Any], healthy: bool = True) -> Gateway:
+    """`python -m python_backends.gateway` with this configuration, on a free port, once it
+    answers /health (200; or 503 when `healthy` is False)."""
+    path = tmp / "gateway.json"
+    path.write_text(json.dumps(config))
+    port = free_port()
+    log = tmp / "gateway.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "python_backends.gateway", "--config", str(path), "--port",
+         str(port), "--log-level", "warning"], stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    gw = Gateway(port, proc, log)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        try:
+            r = requests.get(f"{gw.url}/health", timeout=2)
+            if r.status_code == 200 or (not healthy and r.status_code == 503):
+                return gw
+        except requests.ConnectionError:
+            pass
+        time.sleep(0.3)
+    proc.kill()
+    raise AssertionError(f"the gateway did not start: {log.read_text()[-3000:]}")
+
+
+def stop_gateway(gw: Gateway) -> None:
+    gw.proc.terminate()
+    try:
+        gw.proc.wait(15)
+    except subprocess.TimeoutExpired:
+        gw.proc.kill()
+        gw.proc.wait(5)

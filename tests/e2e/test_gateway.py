@@ -6,8 +6,6 @@ cancelling its request on the server, and the KServe generate endpoints proxied.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,65 +15,29 @@ import openai
 import pytest
 import requests
 
-from python_backends.client import as_list, metric_sum, parse_metrics
+from python_backends.client import as_list, metric_sum
 from python_backends.launcher import free_port
-from tests.e2e.conftest import ENGINE_DIR, MAX_TOKENS, PROMPTS, Reference, Server
+from tests.e2e.conftest import (
+    ENGINE_DIR,
+    GATEWAY_KEY,
+    MAX_TOKENS,
+    PROMPTS,
+    Gateway,
+    Reference,
+    Server,
+    start_gateway,
+    stop_gateway,
+)
 
 pytestmark = pytest.mark.e2e
-KEY, LIMITED_KEY = "sk-test", "sk-limited"
+KEY, LIMITED_KEY = GATEWAY_KEY, "sk-limited"
 MODEL = "smollm2"
-
-
-class Gateway:
-    def __init__(self, port: int, proc: subprocess.Popen[bytes], log: Path) -> None:
-        self.url = f"http://127.0.0.1:{port}"
-        self.proc = proc
-        self.log = log
-
-    def openai(self, key: str = KEY) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0,
-                             timeout=120)
-
-    def metrics(self) -> dict[str, dict[frozenset[tuple[str, str]], float]]:
-        return parse_metrics(requests.get(f"{self.url}/metrics", timeout=10).text)
-
-
-def _start(tmp: Path, config: dict[str, Any], healthy: bool = True) -> Gateway:
-    path = tmp / "gateway.json"
-    path.write_text(json.dumps(config))
-    port = free_port()
-    log = tmp / "gateway.log"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "python_backends.gateway", "--config", str(path), "--port",
-         str(port), "--log-level", "warning"], stdout=log.open("wb"), stderr=subprocess.STDOUT)
-    gw = Gateway(port, proc, log)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, log.read_text()[-3000:]
-        try:
-            r = requests.get(f"{gw.url}/health", timeout=2)
-            if r.status_code == 200 or (not healthy and r.status_code == 503):
-                return gw
-        except requests.ConnectionError:
-            pass
-        time.sleep(0.3)
-    proc.kill()
-    raise AssertionError(f"the gateway did not start: {log.read_text()[-3000:]}")
-
-
-def _stop(gw: Gateway) -> None:
-    gw.proc.terminate()
-    try:
-        gw.proc.wait(15)
-    except subprocess.TimeoutExpired:
-        gw.proc.kill()
-        gw.proc.wait(5)
 
 
 @pytest.fixture(scope="module")
 def gateway(server: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     o = server.options
-    gw = _start(tmp_path_factory.mktemp("gateway"), {
+    gw = start_gateway(tmp_path_factory.mktemp("gateway"), {
         "model": MODEL, "engine_dir": str(ENGINE_DIR),
         "backends": [{"name": "local", "grpc": f"127.0.0.1:{o.grpc_port}",
                       "metrics": o.metrics_url},
@@ -85,7 +47,7 @@ def gateway(server: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         "rate_limits": {"limited": {"requests_per_s": 0.01, "burst_requests": 1}},
     })
     yield gw
-    _stop(gw)
+    stop_gateway(gw)
 
 
 def test_completions_equal_hugging_face(gateway: Gateway, reference: Reference) -> None:
@@ -178,7 +140,7 @@ def test_a_rate_limited_tenant_gets_429(gateway: Gateway) -> None:
 
 
 def test_no_healthy_server_is_503(tmp_path: Path) -> None:
-    gw = _start(tmp_path, {"engine_dir": str(ENGINE_DIR), "backends": [
+    gw = start_gateway(tmp_path, {"engine_dir": str(ENGINE_DIR), "backends": [
         {"name": "down", "grpc": f"127.0.0.1:{free_port()}",
          "metrics": f"http://127.0.0.1:{free_port()}/metrics"}]}, healthy=False)
     try:
@@ -186,7 +148,7 @@ def test_no_healthy_server_is_503(tmp_path: Path) -> None:
             gw.openai().completions.create(model=MODEL, prompt="Hi", max_tokens=2)
         assert e.value.status_code == 503
     finally:
-        _stop(gw)
+        stop_gateway(gw)
 
 
 def _cancelled_by_gateway(gateway: Gateway) -> float:

@@ -16,7 +16,7 @@ from python_backends.gateway.config import BackendConfig, GatewayConfig
 from python_backends.gateway.errors import ApiError
 from python_backends.gateway.metrics import GatewayMetrics
 from python_backends.gateway.routing import RouteRequest
-from python_backends.gateway.service import Gateway
+from python_backends.gateway.service import BackendRequest, Gateway
 from python_backends.gateway.triton import Piece
 
 
@@ -54,7 +54,8 @@ def _fake_servers(monkeypatch: pytest.MonkeyPatch, errors: dict[str, ApiError]) 
 
 def _open(gw: Gateway) -> service.Call:
     async def run() -> service.Call:
-        call = await gw.open({"text_input": "x"}, {}, RouteRequest("t"), "completions", 0.0)
+        request = BackendRequest({"text_input": "x"}, {}, RouteRequest("t"), "completions")
+        call = await gw.open(request, 0.0)
         await call.close()
         return call
 
@@ -116,3 +117,64 @@ def test_rate_limits_are_429() -> None:
         gw.admit("t", 5, 5)
     assert e.value.status == 429 and "rate limited" in e.value.message
     gw.admit("other", 5, 5)  # other tenants are unaffected
+
+
+def _scripted(monkeypatch: pytest.MonkeyPatch, scripts: dict[str, list[Piece | ApiError]],
+              sent: list[tuple[str, dict[str, Any]]]) -> None:
+    """Servers that stream their script: pieces, and an error where the stream breaks."""
+
+    async def fake_stream(client: FakeClient, inputs: dict[str, Any], parameters: Any,
+                          headers: Any, timeout_s: float) -> AsyncIterator[Piece]:
+        sent.append((client.name, inputs))
+        for step in scripts[client.name]:
+            if isinstance(step, ApiError):
+                raise step
+            yield step
+
+    monkeypatch.setattr(service, "stream", fake_stream)
+
+
+def _read_all(gw: Gateway) -> tuple[list[Piece], service.Call]:
+    async def run() -> tuple[list[Piece], service.Call]:
+        request = BackendRequest({"text_input": "x", "stream": True}, {}, RouteRequest("t"),
+                                 "completions")
+        call = await gw.open(request, 0.0)
+        try:
+            return [p async for p in call.pieces()], call
+        finally:
+            await call.close()
+
+    return asyncio.run(run())
+
+
+def test_a_stream_cut_midway_goes_on_on_another_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    sent: list[tuple[str, dict[str, Any]]] = []
+    _scripted(monkeypatch, {
+        "a": [Piece("He", [1]), Piece("llo", [2]), ApiError(503, "Socket closed")],
+        "b": [Piece(" wor", [3]), Piece("ld", [4], finish_reason="length")],
+        "c": []}, sent)
+    gw = _gateway()
+    pieces, call = _read_all(gw)
+    assert "".join(p.text for p in pieces) == "Hello world" and call.token_ids == [1, 2, 3, 4]
+    assert [name for name, _ in sent] == ["a", "b"]
+    assert sent[1][1]["resume_ids"] == [1, 2] and "resume_ids" not in sent[0][1]
+    assert gw.metrics.registry.get_sample_value("gateway_migrations_total",
+                                                {"backend": "b"}) == 1
+    assert all(b.in_flight == 0 for b in gw.pool.backends.values())
+
+
+def test_moves_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    cut = ApiError(503, "no engine instance is left")
+    _scripted(monkeypatch, {n: [Piece("x", [7]), cut] for n in "abc"}, [])
+    with pytest.raises(ApiError) as e:
+        _read_all(_gateway(migration_limit=1))
+    assert e.value.status == 503 and "moved 1 times" in e.value.message
+
+
+def test_a_refusal_midway_is_not_moved(monkeypatch: pytest.MonkeyPatch) -> None:
+    sent: list[tuple[str, dict[str, Any]]] = []
+    _scripted(monkeypatch, {"a": [Piece("x", [7]), ApiError(400, "invalid input 'x'")],
+                            "b": [], "c": []}, sent)
+    with pytest.raises(ApiError) as e:
+        _read_all(_gateway())
+    assert e.value.status == 400 and len(sent) == 1
