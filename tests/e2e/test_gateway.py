@@ -5,7 +5,9 @@ cancelling its request on the server, and the KServe generate endpoints proxied.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -196,3 +198,25 @@ def test_kserve_generate_endpoints_are_proxied(gateway: Gateway, server: Server)
     statuses = [requests.post(f"{gateway.url}/v2/models/ensemble/generate", json=body,
                               headers=limited, timeout=60).status_code for _ in range(2)]
     assert 429 in statuses  # Triton's own endpoint can only say 400
+
+
+def test_aiperf_profiles_the_gateway_as_an_openai_chat_server(gateway: Gateway,
+                                                              tmp_path: Path) -> None:
+    """aiperf's own `chat` endpoint type, no adapter: every request succeeds."""
+    from python_backends.aiperf import Target, find_aiperf, profile
+
+    aiperf = find_aiperf()
+    if aiperf is None:
+        if os.environ.get("CI"):
+            pytest.fail("aiperf missing in CI: scripts/test.sh installs it in .venv-aiperf")
+        pytest.skip("aiperf not installed: scripts/test.sh installs it in .venv-aiperf")
+    target = Target.openai(gateway.url, MODEL, endpoint="chat", name="gateway",
+                           ignore_eos=False)
+    target = dataclasses.replace(target, endpoint_args=(
+        *target.endpoint_args, "--api-key", KEY))
+    result = profile(aiperf, target, concurrency=2, requests=8, prompt_tokens=64,
+                     output_tokens=16, tokenizer=ENGINE_DIR, artifacts=tmp_path / "artifacts",
+                     timeout_s=600)
+    assert result["request_count"]["avg"] == 8
+    assert result["time_to_first_token"]["avg"] > 0
+    assert result["output_sequence_length"]["avg"] > 0

@@ -1,7 +1,8 @@
 """Two Triton servers behind one gateway, as two regions (eu: the session's server, us: one of
-this module's own): a tenant pinned to eu is never served in us, and when the us server dies
-with streams in flight every stream goes on on the other server (the prompt and the tokens so
-far) with output identical to Hugging Face's, while new traffic goes to the server left."""
+this module's own): a tenant pinned to eu is never served in us; us as a canary gets its share
+of users; and when the us server dies with streams in flight every stream goes on on the other
+server (the prompt and the tokens so far) with output identical to Hugging Face's, while new
+traffic goes to the server left."""
 
 from __future__ import annotations
 
@@ -10,8 +11,11 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
+import requests
 
 from python_backends.client import metric_sum
 from python_backends.launcher import ServerOptions, TritonServer, free_port
@@ -30,6 +34,7 @@ pytestmark = pytest.mark.e2e
 KEY, PINNED_KEY = "sk-any", "sk-eu-bank"
 STREAMS = [f"Story {i}: once upon a time, in a village by the sea," for i in range(8)]
 LONG = 48
+USERS = 1000
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +71,34 @@ def gateway(server: Server, us_server: TritonServer,
 @pytest.fixture(scope="module")
 def long_reference() -> Reference:
     return hf_greedy(STREAMS, LONG)
+
+
+def test_a_canary_gets_its_share_of_users(server: Server, us_server: TritonServer,
+                                          tmp_path: Path) -> None:
+    """us-1 as a 10% canary: 1000 users, one request each, through a gateway of its own."""
+    eu, us = server.options, us_server.options
+    gw = start_gateway(tmp_path, {
+        "model": MODEL, "engine_dir": str(ENGINE_DIR),
+        "backends": [{"name": "eu-1", "grpc": f"127.0.0.1:{eu.grpc_port}",
+                      "metrics": eu.metrics_url, "region": "eu"},
+                     {"name": "us-1", "grpc": f"127.0.0.1:{us.grpc_port}",
+                      "metrics": us.metrics_url, "region": "us", "canary": True}],
+        "routing": {"canary_fraction": 0.1}})
+    try:
+        def one(i: int) -> int:
+            r = requests.post(f"{gw.url}/v1/completions", timeout=120, json={
+                "model": MODEL, "prompt": "Hi", "max_tokens": 1, "user": f"user-{i}"})
+            return r.status_code
+
+        with ThreadPoolExecutor(16) as pool:
+            statuses = list(pool.map(one, range(USERS)))
+        assert statuses == [200] * USERS
+        on_canary = _served(gw, "us-1")
+        assert on_canary + _served(gw, "eu-1") == USERS
+        print(f"canary share: {on_canary / USERS:.1%} of {USERS} users")
+        assert 0.07 * USERS <= on_canary <= 0.13 * USERS
+    finally:
+        stop_gateway(gw)
 
 
 def _served(gw: Gateway, backend: str) -> float:
