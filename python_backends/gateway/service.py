@@ -1,6 +1,7 @@
 """The gateway's core, free of HTTP: who the caller is, whether its tenant may send now, which
-server serves the request, and moving on to the next server when one fails before its first
-token. The HTTP layer (gateway.app) only shapes requests and answers."""
+server serves the request, the next server when one fails it before its first token, and
+another one, from the tokens so far, when one breaks its stream mid-way. The HTTP layer
+(gateway.app) only shapes requests and answers."""
 
 from __future__ import annotations
 
