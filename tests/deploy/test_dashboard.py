@@ -31,6 +31,8 @@ METRICS_DOC = PROJECT_ROOT / "docs" / "metrics.md"
 PANEL_TYPES = {"timeseries", "stat", "gauge", "bargauge", "table", "heatmap", "text"}
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 AUTOSCALER_PREFIX = "llm_autoscaler_"  # exported by scripts/autoscaler.py, not by Triton
+GATEWAY_PREFIX = "gateway_"  # exported by the gateway (python_backends/gateway), not by Triton
+GATEWAY_DOC = PROJECT_ROOT / "docs" / "gateway.md"
 
 
 def dashboard_metrics(dashboard: dict[str, Any]) -> set[str]:
@@ -38,7 +40,7 @@ def dashboard_metrics(dashboard: dict[str, Any]) -> set[str]:
     names = set()
     for panel in dashboard["panels"]:
         for target in panel["targets"]:
-            for name in re.findall(r"\bllm_[a-z0-9_]+", target["expr"]):
+            for name in re.findall(r"\b(?:llm|gateway)_[a-z0-9_]+", target["expr"]):
                 for suffix in HISTOGRAM_SUFFIXES:
                     if name.endswith("_seconds" + suffix):
                         name = name.removesuffix(suffix)
@@ -179,15 +181,17 @@ def test_dashboard_covers_the_signals_operators_scale_on() -> None:
 
 def test_dashboard_uses_only_documented_metrics() -> None:
     documented = set(re.findall(r"`(llm_[a-z0-9_]+)`", METRICS_DOC.read_text()))
+    documented |= set(re.findall(r"`(gateway_[a-z0-9_]+)`", GATEWAY_DOC.read_text()))
     used = dashboard_metrics(json.loads(DASHBOARD.read_text()))
     assert used <= documented, used - documented
 
 
-def test_prometheus_config_scrapes_triton_and_the_autoscaler() -> None:
+def test_prometheus_config_scrapes_triton_the_autoscaler_and_the_gateway() -> None:
     cfg = yaml.safe_load(PROMETHEUS.read_text())
     jobs = {job["job_name"]: job for job in cfg["scrape_configs"]}
     assert jobs["triton-llm"]["static_configs"][0]["targets"] == ["127.0.0.1:8002"]
     assert jobs["llm-autoscaler"]["static_configs"][0]["targets"] == ["127.0.0.1:9402"]
+    assert jobs["llm-gateway"]["static_configs"][0]["targets"] == ["127.0.0.1:9000"]
     assert all(job["metrics_path"] == "/metrics" for job in jobs.values())
 
 

@@ -220,3 +220,21 @@ def test_aiperf_profiles_the_gateway_as_an_openai_chat_server(gateway: Gateway,
     assert result["request_count"]["avg"] == 8
     assert result["time_to_first_token"]["avg"] > 0
     assert result["output_sequence_length"]["avg"] > 0
+
+
+def test_dashboard_gateway_panels_use_what_the_gateway_exports(gateway: Gateway) -> None:
+    from tests.deploy.test_dashboard import (
+        DASHBOARD,
+        GATEWAY_PREFIX,
+        HISTOGRAM_SUFFIXES,
+        dashboard_metrics,
+    )
+
+    exported = set()
+    for name in gateway.metrics():
+        for suffix in HISTOGRAM_SUFFIXES:
+            name = name.removesuffix(suffix)
+        exported.add(name)
+    used = {m for m in dashboard_metrics(json.loads(DASHBOARD.read_text()))
+            if m.startswith(GATEWAY_PREFIX)}
+    assert used and used <= exported, used - exported
