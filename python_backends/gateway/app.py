@@ -50,6 +50,7 @@ def create_app(config: GatewayConfig, tokenizer: Any = None) -> FastAPI:
         tokenizer = AutoTokenizer.from_pretrained(str(Gateway.engine_dir(config)))
     pool = BackendPool(config)
     gw = Gateway(config, pool, tokenizer, GatewayMetrics())
+    gw.metrics.register(pool)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 if TYPE_CHECKING:
     from python_backends.gateway.backends import Backend, BackendPool
 
+ENDPOINTS = ("completions", "chat", "generate", "generate_stream")
 OVERHEAD_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
@@ -34,6 +35,19 @@ class GatewayMetrics:
                              ["backend", "region"], registry=self.registry)
         self.in_flight = Gauge("gateway_backend_in_flight", "Requests open on the server",
                                ["backend", "region"], registry=self.registry)
+
+    def register(self, pool: BackendPool) -> None:
+        """Every server's series from the start, at 0 (a dashboard or an alert on a rate needs
+        the series before the first event)."""
+        for b in pool.backends.values():
+            region = b.config.region
+            self.retries.labels(backend=b.name)
+            self.migrations.labels(backend=b.name)
+            self.healthy.labels(backend=b.name, region=region)
+            self.in_flight.labels(backend=b.name, region=region)
+            for endpoint in ENDPOINTS:
+                self.requests.labels(endpoint=endpoint, backend=b.name, region=region,
+                                     status="200")
 
     def count(self, endpoint: str, backend: Backend | None, status: int) -> None:
         name, region = (backend.name, backend.config.region) if backend else ("none", "none")
