@@ -15,6 +15,7 @@ import json
 import re
 import types
 import typing
+from collections.abc import Iterable
 from typing import Any
 
 import pytest
@@ -46,6 +47,20 @@ def dashboard_metrics(dashboard: dict[str, Any]) -> set[str]:
                         name = name.removesuffix(suffix)
                 names.add(name)
     return names
+
+
+def dashboard_uses(exported: Iterable[str], prefixes: tuple[str, ...] = (),
+                   exclude: tuple[str, ...] = ()) -> tuple[set[str], set[str]]:
+    """(metric families the dashboard uses, those of them not in a scrape's names), counting
+    only families that start with one of `prefixes` (any when empty) and none of `exclude`."""
+    families = set()
+    for name in exported:
+        for suffix in HISTOGRAM_SUFFIXES:
+            name = name.removesuffix(suffix)
+        families.add(name)
+    used = {m for m in dashboard_metrics(json.loads(DASHBOARD.read_text()))
+            if (not prefixes or m.startswith(prefixes)) and not m.startswith(exclude)}
+    return used, used - families
 
 
 def validate_dashboard(d: dict[str, Any]) -> None:

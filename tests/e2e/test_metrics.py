@@ -57,22 +57,8 @@ def test_metrics_present_and_moving(server: Server) -> None:
 
 
 def test_dashboard_queries_only_metrics_the_server_exports(server: Server) -> None:
-    import json
+    from tests.deploy.test_dashboard import AUTOSCALER_PREFIX, GATEWAY_PREFIX, dashboard_uses
 
-    from tests.deploy.test_dashboard import (
-        AUTOSCALER_PREFIX,
-        DASHBOARD,
-        GATEWAY_PREFIX,
-        HISTOGRAM_SUFFIXES,
-        dashboard_metrics,
-    )
-
-    exported = set()
-    for name in server.metrics():
-        for suffix in HISTOGRAM_SUFFIXES:
-            name = name.removesuffix(suffix)
-        exported.add(name)
-    used = {m for m in dashboard_metrics(json.loads(DASHBOARD.read_text()))
-            if not m.startswith((AUTOSCALER_PREFIX, GATEWAY_PREFIX))}
-    assert used <= exported, used - exported
+    used, missing = dashboard_uses(server.metrics(), exclude=(AUTOSCALER_PREFIX, GATEWAY_PREFIX))
+    assert used and not missing, missing
 
