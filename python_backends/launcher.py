@@ -17,6 +17,7 @@ import subprocess
 import sys
 import sysconfig
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -400,27 +401,47 @@ def supervise(server: TritonServer, max_restarts: int = MAX_RESTARTS,
 
 
 def start_gateway(o: ServerOptions, port: int, timeout_s: float = 120.0) -> subprocess.Popen[bytes]:
-    """The gateway (python -m python_backends.gateway) in front of this server, on `port`;
-    returns once it answers /health."""
-    cmd = [sys.executable, "-m", "python_backends.gateway", "--host", o.host, "--port",
-           str(port), "--backend", f"{o.grpc_address},{o.metrics_url}", "--log-level",
-           "warning"]
+    """The gateway in front of this server, on `port`; returns once it answers /health."""
+    args = ["--backend", f"{o.grpc_address},{o.metrics_url}"]
     if o.engine_dir is not None:
-        cmd += ["--engine", str(o.engine_dir)]
+        args += ["--engine", str(o.engine_dir)]
     env = dict(os.environ)
     if o.api_key:
         env[GATEWAY_KEY_ENV] = o.api_key  # clients' key at the gateway, and its key here
-    proc = subprocess.Popen(cmd, cwd=PROJECT_ROOT, env=env)
+    return launch_gateway(args, o.host, port, env=env, timeout_s=timeout_s)
+
+
+def launch_gateway(args: list[str], host: str, port: int, env: dict[str, str] | None = None,
+                   log: Path | None = None, timeout_s: float = 120.0,
+                   ready: tuple[int, ...] = (200,)) -> subprocess.Popen[bytes]:
+    """`python -m python_backends.gateway ARGS` on host:port (its output to `log`, if given);
+    returns once /health answers with a status in `ready` (503: no server in rotation yet)."""
+    cmd = [sys.executable, "-m", "python_backends.gateway", *args, "--host", host, "--port",
+           str(port), "--log-level", "warning"]
+    out = log.open("wb") if log is not None else None
+    proc = subprocess.Popen(cmd, cwd=PROJECT_ROOT, env=env, stdout=out,
+                            stderr=subprocess.STDOUT if out else None)
     deadline = time.monotonic() + timeout_s
-    url = f"http://{o.host}:{port}/health"
+    url = f"http://{host}:{port}/health"
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise ServerError(f"the gateway exited with code {proc.returncode}")
-        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=2):
+        if _http_status(url) in ready:
             return proc
         time.sleep(0.3)
     stop_process(proc)
     raise ServerError(f"the gateway did not answer on {url} in {timeout_s:.0f} s")
+
+
+def _http_status(url: str) -> int | None:
+    """The status a GET of `url` answers; None when nothing answers."""
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return int(r.status)
+    except urllib.error.HTTPError as e:
+        return int(e.code)
+    except OSError:
+        return None
 
 
 def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 15.0) -> None:

@@ -21,7 +21,15 @@ from python_backends import procfs
 from python_backends.client import GenerateError, LLMClient, metric_sum, parse_metrics, scrape
 from python_backends.config import DEFAULT_ENGINE_DIR
 from python_backends.diagnostics import STACK_DUMP_SIGNAL
-from python_backends.launcher import UPSTREAM_ABORT, ServerOptions, TritonServer, free_port
+from python_backends.launcher import (
+    UPSTREAM_ABORT,
+    ServerError,
+    ServerOptions,
+    TritonServer,
+    free_port,
+    launch_gateway,
+    stop_process,
+)
 from python_backends.watchdog import Stub, live_stubs
 
 ENGINE_DIR = Path(os.environ.get("LLM_ENGINE_DIR", DEFAULT_ENGINE_DIR))
@@ -250,6 +258,8 @@ GATEWAY_KEY = "sk-test"
 
 
 class Gateway:
+    """A gateway process started by `start_gateway`."""
+
     def __init__(self, port: int, proc: subprocess.Popen[bytes], log: Path) -> None:
         self.url = f"http://127.0.0.1:{port}"
         self.proc = proc
@@ -270,28 +280,14 @@ def start_gateway(tmp: Path, config: dict[str, Any], healthy: bool = True) -> Ga
     path.write_text(json.dumps(config))
     port = free_port()
     log = tmp / "gateway.log"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "python_backends.gateway", "--config", str(path), "--port",
-         str(port), "--log-level", "warning"], stdout=log.open("wb"), stderr=subprocess.STDOUT)
-    gw = Gateway(port, proc, log)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, log.read_text()[-3000:]
-        try:
-            r = requests.get(f"{gw.url}/health", timeout=2)
-            if r.status_code == 200 or (not healthy and r.status_code == 503):
-                return gw
-        except requests.ConnectionError:
-            pass
-        time.sleep(0.3)
-    proc.kill()
-    raise AssertionError(f"the gateway did not start: {log.read_text()[-3000:]}")
+    try:
+        proc = launch_gateway(["--config", str(path)], "127.0.0.1", port, log=log,
+                              ready=(200,) if healthy else (200, 503))
+    except ServerError as e:
+        raise AssertionError(f"the gateway did not start ({e}): {log.read_text()[-3000:]}") \
+            from None
+    return Gateway(port, proc, log)
 
 
 def stop_gateway(gw: Gateway) -> None:
-    gw.proc.terminate()
-    try:
-        gw.proc.wait(15)
-    except subprocess.TimeoutExpired:
-        gw.proc.kill()
-        gw.proc.wait(5)
+    stop_process(gw.proc)
