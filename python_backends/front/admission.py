@@ -96,10 +96,13 @@ class RateLimiter:
         self._buckets: dict[str, tuple[TokenBucket | None, TokenBucket | None]] = {}
         self._lock = threading.Lock()
 
+    def limit(self, tenant: str) -> RateLimit:
+        return self._limits.get(tenant, self._limits.get(DEFAULT_TENANT, RateLimit()))
+
     def _buckets_for(self, tenant: str) -> tuple[TokenBucket | None, TokenBucket | None]:
         buckets = self._buckets.get(tenant)
         if buckets is None:
-            lim = self._limits.get(tenant, self._limits.get(DEFAULT_TENANT, RateLimit()))
+            lim = self.limit(tenant)
             req = TokenBucket(lim.requests_per_s, lim.burst_requests or lim.requests_per_s,
                               self._clock) if lim.requests_per_s else None
             tok = TokenBucket(lim.tokens_per_s, lim.burst_tokens or lim.tokens_per_s,

@@ -47,7 +47,7 @@ def create_app(config: GatewayConfig, tokenizer: Any = None) -> FastAPI:
     if tokenizer is None:
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(str(Gateway.engine_dir(config)))
+        tokenizer = AutoTokenizer.from_pretrained(str(config.engine_dir))
     pool = BackendPool(config)
     gw = Gateway(config, pool, tokenizer, GatewayMetrics())
     gw.metrics.register(pool)
@@ -146,7 +146,7 @@ async def _openai(gw: Gateway, request: Request, parse: Callable[[Any], Generati
         tenant = gw.tenant(dict(request.headers), gen.user)
         if gen.chat:
             gen.prompt = gw.chat_prompt(gen.messages)
-        token_ids = gw.tokens(gen.prompt)
+        token_ids = gw.tokens(gen.prompt, tenant)
         gw.admit(tenant, len(token_ids), gen.max_tokens)
     route = gw.route_request(tenant, gen.user, request.headers.get(REGION_HEADER, ""),
                              token_ids, gen.cache_salt)
@@ -263,7 +263,7 @@ async def _kserve(gw: Gateway, request: Request, model: str, streaming: bool) ->
         tenant = gw.tenant(dict(request.headers), parameters.get("tenant"))
         parameters["tenant"] = tenant
         text = inputs.get("text_input")
-        token_ids = gw.tokens(text) if isinstance(text, str) else []
+        token_ids = gw.tokens(text, tenant) if isinstance(text, str) else []
         gw.admit(tenant, len(token_ids), inputs.get("max_tokens"))
     salt = inputs.get("cache_salt")
     route = gw.route_request(tenant, None, request.headers.get(REGION_HEADER, ""), token_ids,

@@ -10,7 +10,6 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
@@ -58,15 +57,6 @@ class Backend:
             kv_usage=max(usage.values(), default=0.0),
             kv_blocks_used=metric_sum(m, "llm_kv_cache_blocks_used"),
             ttft_p95_s=self.ttft_p95(), canary=self.config.canary, in_flight=self.in_flight)
-
-    @contextlib.contextmanager
-    def opened(self) -> Iterator[None]:
-        """Counts a request in flight on this server while the context lasts."""
-        self.in_flight += 1
-        try:
-            yield
-        finally:
-            self.in_flight -= 1
 
     def connect(self) -> None:
         self.client = grpcclient.InferenceServerClient(self.config.grpc)

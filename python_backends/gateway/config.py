@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from python_backends.config import DEFAULT_ENGINE_DIR
 from python_backends.front.admission import RateLimit, parse_rate_limits
 
 DEFAULT_PORT = 9000
@@ -86,7 +87,7 @@ POLICIES = ("least_loaded", "prefix_aware")
 class GatewayConfig:
     backends: tuple[BackendConfig, ...]
     model: str = "smollm2"  # the name clients use (/v1/models)
-    engine_dir: Path | None = None  # its tokenizer: chat template, prompt token counts
+    engine_dir: Path = DEFAULT_ENGINE_DIR  # its tokenizer: chat template, token counts
     api_keys: dict[str, str] = field(default_factory=dict)  # key -> tenant; empty: open
     rate_limits: dict[str, RateLimit] = field(default_factory=dict)
     health_interval_s: float = 1.0  # readiness and load are read this often per server
@@ -124,11 +125,13 @@ class GatewayConfig:
             limits = parse_rate_limits(json.dumps(raw.get("rate_limits", {})))
         except (TypeError, ValueError) as e:
             raise ConfigError(f"rate_limits: {e}") from None
-        extra = {k: raw[k] for k in ("model", "health_interval_s", "unhealthy_after_s",
-                                     "max_attempts", "migration_limit", "request_timeout_s")
-                 if k in raw}
-        engine_dir = Path(raw["engine_dir"]) if raw.get("engine_dir") else None
-        return cls(backends=backends, engine_dir=engine_dir,
+        extra: dict[str, Any] = {
+            k: raw[k] for k in ("model", "health_interval_s", "unhealthy_after_s",
+                                "max_attempts", "migration_limit", "request_timeout_s")
+            if k in raw}
+        if raw.get("engine_dir"):
+            extra["engine_dir"] = Path(raw["engine_dir"])
+        return cls(backends=backends,
                    api_keys={str(k): str(v) for k, v in api_keys.items()},
                    rate_limits=limits, routing=RoutingConfig.from_dict(raw.get("routing", {})),
                    **extra)

@@ -10,7 +10,6 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from python_backends.front.admission import RateLimiter, Rejected
@@ -128,7 +127,13 @@ class Gateway:
         except Rejected as e:
             raise ApiError(429, str(e)) from None
 
-    def tokens(self, text: str) -> list[int]:
+    def tokens(self, text: str, tenant: str) -> list[int]:
+        """The prompt's token ids when something here reads them (the tenant's token rate
+        limit, prefix-aware routing), else none: tokenizing blocks the event loop, and the
+        server tokenizes the prompt anyway."""
+        if not (self.rate_limiter.limit(tenant).tokens_per_s
+                or self.config.routing.policy == "prefix_aware"):
+            return []
         return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
 
     def route_request(self, tenant: str, user: str | None, region: str, token_ids: list[int],
@@ -205,14 +210,6 @@ class Gateway:
             self.policy.record(backend.name, route)
             return backend, first, rest
         raise error
-
-    @staticmethod
-    def engine_dir(config: GatewayConfig) -> Path:
-        if config.engine_dir is None:
-            from python_backends.config import DEFAULT_ENGINE_DIR
-
-            return Path(DEFAULT_ENGINE_DIR)
-        return config.engine_dir
 
 
 def build_policy(config: GatewayConfig) -> RoutingPolicy:

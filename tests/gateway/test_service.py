@@ -12,7 +12,7 @@ import pytest
 from python_backends.front.admission import RateLimit
 from python_backends.gateway import service
 from python_backends.gateway.backends import BackendPool
-from python_backends.gateway.config import BackendConfig, GatewayConfig
+from python_backends.gateway.config import BackendConfig, GatewayConfig, RoutingConfig
 from python_backends.gateway.errors import ApiError
 from python_backends.gateway.metrics import GatewayMetrics
 from python_backends.gateway.routing import RouteRequest
@@ -178,3 +178,16 @@ def test_a_refusal_midway_is_not_moved(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ApiError) as e:
         _read_all(_gateway())
     assert e.value.status == 400 and len(sent) == 1
+
+
+def test_prompts_are_tokenized_only_when_something_reads_the_tokens() -> None:
+    def tokenizer(text: str, add_special_tokens: bool) -> dict[str, list[int]]:
+        return {"input_ids": [ord(c) for c in text]}
+
+    gw = _gateway(rate_limits={"t": RateLimit(tokens_per_s=100)})
+    gw.tokenizer = tokenizer
+    assert gw.tokens("hi", "t") == [104, 105]  # its token rate limit counts them
+    assert gw.tokens("hi", "other") == []  # no limit on tokens, least-loaded routing
+    prefix = _gateway(routing=RoutingConfig(policy="prefix_aware"))
+    prefix.tokenizer = tokenizer
+    assert prefix.tokens("hi", "other") == [104, 105]
