@@ -14,6 +14,8 @@ from typing import Any
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_ENGINE_DIR = PROJECT_ROOT / "engines" / "smollm2"  # what scripts/serve.sh builds
 ENGINE_DIR_ENV = "LLM_ENGINE_DIR"
+# The module an engine's ranks 1..N-1 run (`python -m`): how their processes are told apart.
+RANK_MODULE = "python_backends.engine.ranks"
 FORMAT_VERSION = 1
 CONFIG_FILE = "config.json"
 SUPPORTED_ARCHITECTURES = ("llama", "mixtral")  # dense, and mixture-of-experts MLPs

@@ -36,6 +36,7 @@ import requests
 
 from python_backends import procfs
 from python_backends.client import GenerateError, LLMClient, as_list, metric_sum, scrape
+from python_backends.config import RANK_MODULE
 from python_backends.launcher import TritonServer
 from python_backends.watchdog import live_stubs, stub_of
 
@@ -67,7 +68,6 @@ BAD_INPUTS: list[dict[str, Any]] = [
 MIX = (("stream", 4), ("unary", 3), ("long", 1), ("drop_stream", 1), ("disconnect", 1),
        ("bad_input", 1), ("limited", 1), ("kv_fault", 1), ("sampled", 1))
 FAULTS = ("worker", "decode", "prefill", "rank", "front")
-RANK_MODULE = "python_backends.engine.ranks"  # in the command line of an engine's ranks 1..N-1
 
 
 class Outcome(enum.Enum):

@@ -35,7 +35,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
-from python_backends.config import EngineConfig
+from python_backends.config import RANK_MODULE, EngineConfig
 from python_backends.diagnostics import enable_stack_dumps
 from python_backends.engine.loader import DTYPES, load_model
 from python_backends.engine.model_runner import rank_runner
@@ -140,7 +140,7 @@ class RankGroup:
         self._failure_logged = False
         for rank in range(1, world):
             self.procs[rank] = subprocess.Popen(
-                [_python(), "-m", "python_backends.engine.ranks", "--engine-dir",
+                [_python(), "-m", RANK_MODULE, "--engine-dir",
                  str(engine_dir), "--rank", str(rank), "--port", str(port),
                  "--num-kv-blocks", str(num_kv_blocks), "--device", str(devices[rank])],
                 env={**os.environ, "OMP_NUM_THREADS": str(_threads_per_rank(world))},

@@ -16,7 +16,7 @@ import torch
 
 from python_backends import procfs
 from python_backends.client import as_list
-from python_backends.config import EngineConfig, ParallelLayout
+from python_backends.config import RANK_MODULE, EngineConfig, ParallelLayout
 from python_backends.engine.builder import reshard_engine, write_engine
 from tests.e2e.conftest import (
     ENGINE_DIR,
@@ -31,7 +31,6 @@ from tests.e2e.conftest import (
 
 pytestmark = pytest.mark.e2e
 GREEDY = {"max_tokens": MAX_TOKENS, "exclude_input_in_output": True, "route": "aggregated"}
-RANK_MODULE = "python_backends.engine.ranks"
 
 
 def rank_pids() -> set[int]:
