@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -20,10 +21,12 @@ from python_backends.kv_transfer.leases import LeaseTable
 LAYOUT = KVLayout(num_layers=4, num_kv_heads=3, head_dim=8, block_size=4, dtype="float32",
                   num_blocks=32)
 BLOCKS = (5, 6, 7, 20)
+OWNER_START_S = 60.0
 
 
-def _owner(kind: str, conn: Any) -> None:
-    """Child: fill a pool, lease BLOCKS, serve until the lease is released or expires."""
+def _owner(kind: str, conn: Any, device: str = "cpu") -> None:
+    """Child: fill a pool (on `device`), lease BLOCKS, serve until the lease is released or
+    expires. Sends the handle and a CPU copy of the pool, then the lease's end (expired?)."""
     torch.manual_seed(0)
     board = FlagBoard.create(size=4)
     if kind == "host_shm":
@@ -31,14 +34,14 @@ def _owner(kind: str, conn: Any) -> None:
         pool = shared.tensor
         source: Any = HostShmSource(shared.name)
     else:
-        pool = allocate_pool(LAYOUT)
+        pool = allocate_pool(LAYOUT, device=torch.device(device))
         source = nixl.NixlSource(pool, nixl.agent_name("test-owner"))
     pool.copy_(torch.randn(LAYOUT.shape))
     table = LeaseTable(board)
     lease = table.grant(BLOCKS, duration_s=20.0)
     handle = KVHandle(kind, "owner", LAYOUT, lease.blocks, 14, lease.deadline, board.name,
                       lease.ticket, source.location())
-    conn.send((handle.to_json(), pool.clone()))
+    conn.send((handle.to_json(), pool.cpu().clone()))
     reaped: list[Any] = []
     while not reaped:
         reaped = table.reap(source.released())
@@ -58,17 +61,31 @@ def kind(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-@pytest.fixture
-def owner(kind: str) -> Iterator[tuple[KVHandle, torch.Tensor, Any]]:
+@contextmanager
+def owner_process(kind: str, device: str = "cpu") -> Iterator[tuple[KVHandle, torch.Tensor, Any]]:
+    """An owner in a child process: yields its handle, a CPU copy of its pool and the pipe."""
     ctx = mp.get_context("spawn")  # not fork: the parent may hold NIXL/UCX threads
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_owner, args=(kind, child), daemon=True)
+    proc = ctx.Process(target=_owner, args=(kind, child, device), daemon=True)
     proc.start()
-    text, pool = parent.recv()
-    yield KVHandle.from_json(text), pool, parent
-    parent.send("bye")
-    proc.join(10)
-    assert proc.exitcode == 0
+    try:
+        # Bounded: on the one GPU machine tried, an owner registering VRAM never answered.
+        assert parent.poll(OWNER_START_S), f"the {kind} owner on {device} sent no handle " \
+                                           f"within {OWNER_START_S:.0f} s"
+        text, pool = parent.recv()
+        yield KVHandle.from_json(text), pool, parent
+        parent.send("bye")
+        proc.join(10)
+        assert proc.exitcode == 0
+    finally:
+        if proc.is_alive():
+            proc.kill()
+
+
+@pytest.fixture
+def owner(kind: str) -> Iterator[tuple[KVHandle, torch.Tensor, Any]]:
+    with owner_process(kind) as owned:
+        yield owned
 
 
 def _sink(kind: str, pool: torch.Tensor, boards: BoardCache) -> KVSink:
@@ -78,19 +95,26 @@ def _sink(kind: str, pool: torch.Tensor, boards: BoardCache) -> KVSink:
     return nixl.NixlSink(dst_layout, pool, nixl.agent_name("test-puller"), boards)
 
 
+def pull_and_check(sink: KVSink, owned: tuple[KVHandle, torch.Tensor, Any],
+                   dst: torch.Tensor) -> None:
+    """Pull the owner's blocks into `dst`: exactly their bytes land, nothing else is written,
+    and the owner sees its lease released (not expired)."""
+    handle, src, conn = owned
+    dst_blocks = [9, 10, 0, 1]
+    assert sink.fetch(handle, dst_blocks) == handle.nbytes == LAYOUT.bytes_for(4)
+    out, bs = dst.cpu(), LAYOUT.block_size
+    for sb, db in zip(handle.block_ids, dst_blocks, strict=True):
+        assert torch.equal(out[:, :, db * bs : (db + 1) * bs], src[:, :, sb * bs : (sb + 1) * bs])
+    assert out[:, :, 2 * bs : 9 * bs].abs().sum() == 0  # nothing else was written
+    sink.flush()
+    assert conn.poll(10) and conn.recv() is False  # released, not expired
+
+
 def test_pull_releases_the_lease_across_processes(kind: str, owner: Any) -> None:
-    handle, src, conn = owner
     dst = allocate_pool(KVLayout(**{**LAYOUT.to_dict(), "num_blocks": 16}))
     boards = BoardCache()
     sink = _sink(kind, dst, boards)
-    dst_blocks = [9, 10, 0, 1]
-    assert sink.fetch(handle, dst_blocks) == handle.nbytes == LAYOUT.bytes_for(4)
-    bs = LAYOUT.block_size
-    for sb, db in zip(handle.block_ids, dst_blocks, strict=True):
-        assert torch.equal(dst[:, :, db * bs : (db + 1) * bs], src[:, :, sb * bs : (sb + 1) * bs])
-    assert dst[:, :, 2 * bs : 9 * bs].abs().sum() == 0  # nothing else was written
-    sink.flush()
-    assert conn.poll(10) and conn.recv() is False  # released, not expired
+    pull_and_check(sink, owner, dst)
     sink.close()
     boards.close()
 

@@ -1,4 +1,6 @@
-"""CUDA IPC handoff between processes (needs a GPU; skipped elsewhere by the `gpu` marker)."""
+"""KV handoff out of GPU memory between processes: CUDA IPC (device to device) and NIXL with
+VRAM registered (to a GPU pool and to a host pool). Needs a GPU; skipped elsewhere by the `gpu`
+marker."""
 
 from __future__ import annotations
 
@@ -10,8 +12,10 @@ import pytest
 import torch
 
 from python_backends.flag_board import BoardCache, FlagBoard
+from python_backends.kv_transfer import nixl
 from python_backends.kv_transfer.base import KVHandle
-from python_backends.kv_transfer.layout import KVLayout
+from python_backends.kv_transfer.layout import KVLayout, allocate_pool
+from tests.kv_transfer import test_transports
 
 pytestmark = pytest.mark.gpu
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=16, block_size=4, dtype="float32",
@@ -61,3 +65,20 @@ def test_pull_device_to_device_across_processes() -> None:
     parent.send("bye")
     proc.join(10)
     boards.close()
+
+
+@pytest.mark.parametrize("dst_device", ["cuda", "cpu"], ids=["vram-to-vram", "vram-to-dram"])
+def test_nixl_pulls_from_gpu_memory_across_processes(dst_device: str) -> None:
+    """The prefill side's pool is on the GPU (registered as VRAM); decode pulls it into a GPU
+    pool, or into a host pool (a CPU decode instance beside a GPU prefill)."""
+    if not nixl.available():
+        pytest.skip("nixl-cu12 not installed")
+    with test_transports.owner_process("nixl", device="cuda") as owned:
+        assert owned[0].location["mem_type"] == "VRAM"
+        layout = KVLayout(**{**test_transports.LAYOUT.to_dict(), "num_blocks": 16})
+        dst = allocate_pool(layout, device=torch.device(dst_device))
+        boards = BoardCache()
+        sink = nixl.NixlSink(layout, dst, nixl.agent_name("test-puller"), boards)
+        test_transports.pull_and_check(sink, owned, dst)
+        sink.close()
+        boards.close()
