@@ -14,6 +14,13 @@ from typing import Any
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_ENGINE_DIR = PROJECT_ROOT / "engines" / "smollm2"  # what scripts/serve.sh builds
 ENGINE_DIR_ENV = "LLM_ENGINE_DIR"
+API_KEY_ENV = "LLM_API_KEY"
+# A server's role: which models it loads (launcher.ROLE_MODELS). The front model of a `front`
+# server reaches engine groups on other servers only.
+ROLE_ENV = "LLM_ROLE"
+ROLES = ("all", "front", "prefill", "decode", "worker")
+API_KEY_HEADER = "x-api-key"
+GRPC_API_KEY_HEADER = f"triton-grpc-protocol-{API_KEY_HEADER}"  # Triton's gRPC metadata name
 # The module an engine's ranks 1..N-1 run (`python -m`): how their processes are told apart.
 RANK_MODULE = "python_backends.engine.ranks"
 FORMAT_VERSION = 1

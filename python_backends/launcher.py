@@ -19,13 +19,14 @@ import sysconfig
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from python_backends import procfs
+from python_backends.config import API_KEY_ENV, API_KEY_HEADER, GRPC_API_KEY_HEADER, ROLE_ENV, ROLES
 from python_backends.net import free_port
-from python_backends.repository import API_KEY_HEADER, GRPC_API_KEY_HEADER, TritonRepository
+from python_backends.repository import TritonRepository
 from python_backends.watchdog import StubWatchdog
 
 # Triton 2.51's Python backend aborts the whole server when a stub dies holding a shared-memory
@@ -33,9 +34,20 @@ from python_backends.watchdog import StubWatchdog
 UPSTREAM_ABORT = "boost::interprocess::lock_exception"
 GATEWAY_PORT = 9000
 MAX_RESTARTS, RESTART_WINDOW_S = 5, 600.0  # serve.sh restarts a dead server this often
-GATEWAY_KEY_ENV = "LLM_API_KEY"  # the gateway reads the key from here (not a visible argument)
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
+# The models each role loads (docs/cluster.md). `all` is one whole server; `front` answers
+# clients and sends engine work to the engine servers named by REMOTE_GROUP_ENVS.
+ROLE_MODELS = {
+    "all": ("*",),
+    "front": ("preprocessing", "front", "postprocessing", "ensemble"),
+    "prefill": ("kv_store", "prefill"),
+    "decode": ("kv_store", "decode"),
+    "worker": ("kv_store", "worker"),
+}
+assert tuple(ROLE_MODELS) == ROLES
+REMOTE_GROUP_ENVS = {group: f"LLM_{group.upper()}_SERVERS" for group in ("prefill", "decode",
+                                                                         "worker")}
 SHM_DIR = Path("/dev/shm")
 # Protected by --api-key. Health and metadata stay open for load balancers and discovery.
 RESTRICTED_APIS = (
@@ -71,8 +83,8 @@ def prepare_backend_dir() -> Path:
     return root / "backends"
 
 
-def server_env(engine_dir: Path | None) -> dict[str, str]:
-    env = dict(os.environ)
+def server_env(engine_dir: Path | None, extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {**os.environ, **(extra or {})}
     venv_bin = str(Path(sys.executable).parent)
     env["PATH"] = venv_bin + os.pathsep + env.get("PATH", "")
     libdir = sysconfig.get_config_var("LIBDIR") or ""
@@ -108,6 +120,28 @@ class ServerOptions:
     # front's max_waiting_requests.
     python_threads: int = 320
     extra_args: tuple[str, ...] = field(default_factory=tuple)
+    role: str = "all"  # ROLE_MODELS
+    # A front's engine groups on other servers: group -> "host:port,..." or "dns:NAME:PORT"
+    # (front.remote), passed to its front model as REMOTE_GROUP_ENVS.
+    remote_groups: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLE_MODELS:
+            raise ServerError(f"unknown role {self.role!r} (one of {', '.join(ROLE_MODELS)})")
+        if self.role != "all" and self.model_control != "explicit":
+            raise ServerError(f"role {self.role} loads only its models: it needs "
+                              "--model-control explicit")
+        if self.remote_groups and self.role not in ("all", "front"):
+            raise ServerError(f"a {self.role} server has no front to call remote groups")
+
+    def env(self) -> dict[str, str]:
+        """What the server's models read from their environment: the role, the remote groups,
+        the API key their calls to other servers carry."""
+        env = {ROLE_ENV: self.role}
+        env.update((REMOTE_GROUP_ENVS[group], spec) for group, spec in self.remote_groups)
+        if self.api_key:
+            env[API_KEY_ENV] = self.api_key
+        return env
 
     @property
     def http_url(self) -> str:
@@ -153,7 +187,8 @@ class TritonServer:
             "--http-header-forward-pattern=^x-tenant$",
             "--grpc-header-forward-pattern=^x-tenant$",
             *self._auth_args(),
-            *(["--model-control-mode=explicit", "--load-model=*"]
+            *(["--model-control-mode=explicit",
+               *(f"--load-model={model}" for model in ROLE_MODELS[o.role])]
               if o.model_control == "explicit" else []),
             *o.extra_args,
         ]
@@ -171,7 +206,7 @@ class TritonServer:
         self._shm_before = set(os.listdir(SHM_DIR))
         out = open(self.options.log_file, "ab") if self.options.log_file else None  # noqa: SIM115
         self.process = subprocess.Popen(
-            self.command(), env=server_env(self.options.engine_dir),
+            self.command(), env=server_env(self.options.engine_dir, self.options.env()),
             stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True,
         )
 
@@ -318,7 +353,7 @@ def remove_orphan_shm(names: set[str]) -> None:
             path.unlink(missing_ok=True)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description="Serve the model repository with Triton.")
     ap.add_argument("--host", default=os.environ.get("LLM_HOST", "127.0.0.1"))
     ap.add_argument("--http-port", type=int, default=int(os.environ.get("LLM_HTTP_PORT", 8000)))
@@ -326,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--metrics-port", type=int,
                     default=int(os.environ.get("LLM_METRICS_PORT", 8002)))
     ap.add_argument("--engine", type=Path, default=None, help="engine directory")
-    ap.add_argument("--api-key", default=os.environ.get("LLM_API_KEY"),
+    ap.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
                     help=f"require this key in the {API_KEY_HEADER} header (HTTP and gRPC) for "
                          "inference and control APIs; health stays open")
     ap.add_argument("--model-repository", type=Path, default=PROJECT_ROOT / "model_repository")
@@ -335,17 +370,38 @@ def main(argv: list[str] | None = None) -> int:
                     help="explicit (default): models can be reloaded while serving, by the "
                          "autoscaler and by the stub watchdog (which reloads a model whose stub "
                          "process died); none: the repository is fixed")
+    ap.add_argument("--role", choices=ROLES, default=os.environ.get(ROLE_ENV, "all"),
+                    help="all (default): the whole pipeline in this server; front: clients' "
+                         "endpoints, engine groups on other servers (--prefill-servers ...); "
+                         "prefill, decode, worker: that engine group only (docs/cluster.md)")
+    for group, env in REMOTE_GROUP_ENVS.items():
+        ap.add_argument(f"--{group}-servers", default=os.environ.get(env, ""),
+                        help=f"the servers of the {group} group for this server's front: "
+                             "host:port,... (gRPC) or dns:NAME:PORT")
     ap.add_argument("--gateway-port", type=int,
                     default=int(os.environ.get("LLM_GATEWAY_PORT", GATEWAY_PORT)),
                     help=f"the gateway's port (OpenAI API, docs/gateway.md; {GATEWAY_PORT}); "
-                         "0: no gateway")
+                         "0: no gateway (engine-only roles never start one)")
     ap.add_argument("extra", nargs="*", help="extra tritonserver arguments (after --)")
-    args = ap.parse_args(argv)
-    opts = ServerOptions(
-        model_repository=args.model_repository, host=args.host, http_port=args.http_port,
-        grpc_port=args.grpc_port, metrics_port=args.metrics_port, engine_dir=args.engine,
-        api_key=args.api_key, model_control=args.model_control, extra_args=tuple(args.extra),
-    )
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        opts = ServerOptions(
+            model_repository=args.model_repository, host=args.host, http_port=args.http_port,
+            grpc_port=args.grpc_port, metrics_port=args.metrics_port, engine_dir=args.engine,
+            api_key=args.api_key, model_control=args.model_control, role=args.role,
+            remote_groups=tuple((g, getattr(args, f"{g}_servers")) for g in REMOTE_GROUP_ENVS
+                                if getattr(args, f"{g}_servers")),
+            extra_args=tuple(args.extra),
+        )
+    except ServerError as e:
+        print(f"[serve] error: {e}", file=sys.stderr, flush=True)
+        return 2
+    if opts.role not in ("all", "front"):
+        args.gateway_port = 0  # no ensemble here for a gateway to call
     server = TritonServer(opts)
     stopping = False
 
@@ -378,23 +434,39 @@ def main(argv: list[str] | None = None) -> int:
         print("[serve] stopped", flush=True)
 
 
+@dataclass
+class RestartBudget:
+    """At most `max_restarts` restarts of a server within `window_s` seconds."""
+
+    max_restarts: int = MAX_RESTARTS
+    window_s: float = RESTART_WINDOW_S
+    clock: Callable[[], float] = time.monotonic
+    _times: list[float] = field(default_factory=list)
+
+    def spend(self) -> bool:
+        """Take one restart; False when the window's are used up."""
+        now = self.clock()
+        self._times = [t for t in self._times if now - t < self.window_s]
+        if len(self._times) >= self.max_restarts:
+            return False
+        self._times.append(now)
+        return True
+
+
 def supervise(server: TritonServer, max_restarts: int = MAX_RESTARTS,
               window_s: float = RESTART_WINDOW_S) -> int:
     """Wait on tritonserver; when it dies on its own, start it again (the gateway and clients
     see it come back), unless it died `max_restarts` times within `window_s`. Returns its exit
     code when giving up."""
-    restarts: list[float] = []
+    budget = RestartBudget(max_restarts, window_s)
     while True:
         assert server.process is not None
         code = server.process.wait()
         print(f"[serve] tritonserver died: {server.exit_reason()}", flush=True)
-        now = time.monotonic()
-        restarts = [t for t in restarts if now - t < window_s]
-        if len(restarts) >= max_restarts:
-            print(f"[serve] it died {len(restarts) + 1} times in {window_s / 60:.0f} min; "
+        if not budget.spend():
+            print(f"[serve] it died {max_restarts + 1} times in {window_s / 60:.0f} min; "
                   "giving up", flush=True)
             return code
-        restarts.append(now)
         print("[serve] restarting it ...", flush=True)
         server.restart()
         print("[serve] ready again", flush=True)
@@ -407,7 +479,7 @@ def start_gateway(o: ServerOptions, port: int, timeout_s: float = 120.0) -> subp
         args += ["--engine", str(o.engine_dir)]
     env = dict(os.environ)
     if o.api_key:
-        env[GATEWAY_KEY_ENV] = o.api_key  # clients' key at the gateway, and its key here
+        env[API_KEY_ENV] = o.api_key  # clients' key at the gateway, and its key here
     return launch_gateway(args, o.host, port, env=env, timeout_s=timeout_s)
 
 
@@ -454,6 +526,14 @@ def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 15.0) -> None
 
 
 def _banner(o: ServerOptions, gateway_port: int) -> str:
+    if o.role not in ("all", "front"):
+        return f"""
+[serve] ready: a {o.role} server ({', '.join(ROLE_MODELS[o.role])})
+  gRPC     {o.host}:{o.grpc_port}   (give it to a front: --{o.role}-servers {o.host}:{o.grpc_port})
+  HTTP     {o.http_url}   (health, model repository)
+  metrics  {o.metrics_url}
+  Ctrl-C stops the server.
+"""
     auth = f"-H '{API_KEY_HEADER}: <key>' " if o.api_key else ""
     note = (f"  auth     HTTP header {API_KEY_HEADER}, gRPC metadata {GRPC_API_KEY_HEADER}"
             " (health stays open)\n") if o.api_key else ""

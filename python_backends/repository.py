@@ -16,8 +16,8 @@ import requests
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-API_KEY_HEADER = "x-api-key"
-GRPC_API_KEY_HEADER = f"triton-grpc-protocol-{API_KEY_HEADER}"  # Triton's gRPC metadata name
+from python_backends.config import API_KEY_HEADER, GRPC_API_KEY_HEADER
+
 ENGINE_GROUPS = ("worker", "prefill", "decode")  # the models an autoscaler resizes
 
 

@@ -16,9 +16,9 @@ import aiohttp
 import tritonclient.grpc.aio as grpcclient
 
 from python_backends.client import Metrics, histogram_quantile, metric_sum, parse_metrics
+from python_backends.config import GRPC_API_KEY_HEADER
 from python_backends.gateway.config import BackendConfig, GatewayConfig
 from python_backends.gateway.routing import ServerView
-from python_backends.repository import GRPC_API_KEY_HEADER
 
 log = logging.getLogger(__name__)
 TTFT_WINDOW_S = 60.0  # latency-aware routing reads each server's TTFT p95 over this window

@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import json
+import socket
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from python_backends.flag_board import BoardCache
@@ -35,6 +38,15 @@ class Failure(enum.Enum):
     # A copy that neither finished nor stopped when cancelled: it may still write into the
     # destination blocks, which must never be used again (see engine.kv_handoff).
     IN_DOUBT = "in_doubt"
+    UNREACHABLE = "unreachable"  # a same-node transport's handle from another node
+
+
+@functools.cache
+def node_id() -> str:
+    """This machine: its host name and boot id (two containers of one pod share the host
+    name but, in different pods, not the memory a same-node transport needs)."""
+    boot = Path("/proc/sys/kernel/random/boot_id")
+    return f"{socket.gethostname()}/{boot.read_text().strip() if boot.exists() else ''}"
 
 
 class TransferError(RuntimeError):
@@ -78,7 +90,8 @@ class KVHandle:
 
 
 class KVSource(ABC):
-    """The owner's side of one transport, over the owner's whole pool."""
+    """The owner's side of one transport, over the owner's whole pool. A transport that
+    reaches one node only (shared memory, CUDA IPC) puts `node_id()` in its locations."""
 
     kind: str
 
@@ -98,6 +111,7 @@ class KVSink(ABC):
     """The puller's side of one transport, into the puller's whole pool."""
 
     kind: str
+    same_node = False  # refuses handles whose location names another node
 
     def __init__(self, layout: KVLayout, boards: BoardCache) -> None:
         self.layout = layout
@@ -119,6 +133,11 @@ class KVSink(ABC):
             raise TransferError(Failure.EXPIRED, f"lease expired {-handle.remaining():.3f} s ago")
         if handle.fault == "transfer_error":
             raise TransferError(Failure.ERROR, "injected transfer failure")
+        node = handle.location.get("node")
+        if self.same_node and node != node_id():
+            raise TransferError(Failure.UNREACHABLE, (
+                f"{self.kind} reaches the KV of this node only: the handle comes from node "
+                f"{node}, this is {node_id()} (use nixl between nodes)"))
         self._pull(handle, dst_blocks)
         if handle.remaining() <= 0:  # the owner may have reused the blocks while we copied
             raise TransferError(Failure.EXPIRED, "lease expired during the copy")

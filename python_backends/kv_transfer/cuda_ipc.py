@@ -15,7 +15,14 @@ import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from python_backends.flag_board import BoardCache
-from python_backends.kv_transfer.base import Failure, KVHandle, KVSink, KVSource, TransferError
+from python_backends.kv_transfer.base import (
+    Failure,
+    KVHandle,
+    KVSink,
+    KVSource,
+    TransferError,
+    node_id,
+)
 from python_backends.kv_transfer.layout import KVLayout
 
 
@@ -32,7 +39,7 @@ class CudaIpcSource(KVSource):
             raise ValueError("cuda_ipc needs the KV pool on a CUDA device")
         self.pool = pool  # kept alive: pullers map its allocation
         _rebuild, args = reduce_tensor(pool)
-        self._location = {"ipc": base64.b64encode(pickle.dumps(args)).decode()}
+        self._location = {"ipc": base64.b64encode(pickle.dumps(args)).decode(), "node": node_id()}
 
     def location(self) -> dict[str, Any]:
         return self._location
@@ -40,6 +47,7 @@ class CudaIpcSource(KVSource):
 
 class CudaIpcSink(KVSink):
     kind = "cuda_ipc"
+    same_node = True
 
     def __init__(self, layout: KVLayout, pool: torch.Tensor, boards: BoardCache) -> None:
         if not pool.is_cuda:

@@ -15,7 +15,14 @@ from typing import Any
 import torch
 
 from python_backends.flag_board import SHM_DIR, BoardCache
-from python_backends.kv_transfer.base import Failure, KVHandle, KVSink, KVSource, TransferError
+from python_backends.kv_transfer.base import (
+    Failure,
+    KVHandle,
+    KVSink,
+    KVSource,
+    TransferError,
+    node_id,
+)
 from python_backends.kv_transfer.layout import KVLayout, allocate_pool, byte_ranges
 
 NAME_PREFIX = "triton_llm_kv_"  # the launcher sweeps triton* regions left by a killed server
@@ -78,11 +85,12 @@ class HostShmSource(KVSource):
         self.pool_name = pool_name
 
     def location(self) -> dict[str, Any]:
-        return {"shm": self.pool_name}
+        return {"shm": self.pool_name, "node": node_id()}
 
 
 class HostShmSink(KVSink):
     kind = "host_shm"
+    same_node = True
 
     def __init__(self, layout: KVLayout, pool: torch.Tensor, boards: BoardCache) -> None:
         super().__init__(layout, boards)

@@ -21,6 +21,7 @@ from typing import Any
 
 import triton_python_backend_utils as pb_utils
 
+from python_backends.config import API_KEY_ENV, GRPC_API_KEY_HEADER, ROLE_ENV
 from python_backends.diagnostics import enable_stack_dumps
 from python_backends.flag_board import BoardCache, BoardFull, FlagBoard
 from python_backends.front.admission import (
@@ -40,6 +41,7 @@ from python_backends.front.migration import (
     Moved,
     next_engine,
 )
+from python_backends.front.remote import RemoteCall, RemoteGroup, Reply, ServerSet
 from python_backends.front.routing import Route, Router, RoutingPolicy
 from python_backends.front.stream import RequestStream
 from python_backends.front.tenancy import CacheSharing
@@ -62,6 +64,7 @@ from python_backends.wire import (
     EngineRequest,
     ErrorKind,
     GenerationRequest,
+    Message,
     PrefillAnswer,
     TokenizedRequest,
     TokenStep,
@@ -79,6 +82,33 @@ def error_code(kind: str) -> Any:
         ErrorKind.UNAVAILABLE: pb_utils.TritonError.UNAVAILABLE,
         ErrorKind.INTERNAL: pb_utils.TritonError.INTERNAL,
     }[ErrorKind(kind)]
+
+
+def error_kind(code: Any) -> str:
+    """The ErrorKind value of a Triton error code (the inverse of error_code)."""
+    return {
+        pb_utils.TritonError.INVALID_ARG: ErrorKind.INVALID,
+        pb_utils.TritonError.UNAVAILABLE: ErrorKind.UNAVAILABLE,
+    }.get(code, ErrorKind.INTERNAL).value
+
+
+def remote_groups(margs: ModelArgs, models: list[str]) -> dict[str, RemoteGroup]:
+    """The engine groups other servers serve: model -> its group, for each model whose
+    `<model>_servers` parameter, else $LLM_<MODEL>_SERVERS, names servers (host:port,... or
+    dns:NAME:PORT; see front.remote). Calls carry this server's API key, if it has one."""
+    key = os.environ.get(API_KEY_ENV)
+    headers = {GRPC_API_KEY_HEADER: key} if key else None
+    groups = {}
+    for model in filter(None, models):
+        spec = (margs.param(f"{model}_servers")
+                or os.environ.get(f"LLM_{model.upper()}_SERVERS", ""))
+        if not spec:
+            continue
+        try:
+            groups[model] = RemoteGroup(model, ServerSet(spec), headers)
+        except ValueError as e:
+            raise pb_utils.TritonModelException(f"front: {model}_servers: {e}") from None
+    return groups
 
 
 class ClientLink:
@@ -112,8 +142,9 @@ class ClientLink:
 
     def check_cancelled(self) -> bool:
         # Postprocessing raises the flag when the client goes away (see flag_board); a direct
-        # caller of this model cancels the sender itself. Engines see the flag.
-        if not self.cancelled and self.board is not None and (
+        # caller of this model cancels the sender itself. Engines see the flag. A sender is
+        # never asked after its final response: Triton 2.51 has freed it (a segfault).
+        if not self.cancelled and not self.closed and self.board is not None and (
                 self.board.is_cancelled(self.ticket) or self.sender.is_cancelled()):
             self.cancelled = True
             self.board.cancel(self.ticket)
@@ -167,6 +198,16 @@ class FrontModel:
         self.worker_model = margs.param("worker_model", "worker")
         self.prefill_model = margs.param("prefill_model")
         self.decode_model = margs.param("decode_model")
+        self.remote = remote_groups(
+            margs, [self.worker_model, self.prefill_model, self.decode_model])
+        if os.environ.get(ROLE_ENV) == "front":  # no engine here: remote groups only
+            self.worker_model, self.prefill_model, self.decode_model = (
+                m if m in self.remote else ""
+                for m in (self.worker_model, self.prefill_model, self.decode_model))
+            if not (self.worker_model or self.prefill_model):
+                raise pb_utils.TritonModelException(
+                    "front: a front-only server needs remote engine groups: set "
+                    "LLM_WORKER_SERVERS, or LLM_PREFILL_SERVERS and LLM_DECODE_SERVERS")
         if bool(self.prefill_model) != bool(self.decode_model):
             raise pb_utils.TritonModelException(
                 "front: set both prefill_model and decode_model, or neither"
@@ -300,13 +341,19 @@ class FrontModel:
             first_log_prob=prefilled.log_prob,
         ), state, link)
 
-    def _answers(self, model: str, request: Any, link: ClientLink) -> Iterator[Any]:
-        """The responses of one engine call (a BLS `request` to `model`). Raises _EngineLost
-        when the engine holding the request died, or Triton refused the call because the
-        instance's stub is dead."""
+    def _answers(self, model: str, message: EngineRequest, answer: type[Message],
+                 link: ClientLink) -> Iterator[Reply]:
+        """The answers of one engine call of `message` to `model`, local (BLS) or on another
+        server. Raises _EngineLost when the engine holding the request died, or its instance
+        or server is not there to take it."""
+        batched = answer is PrefillAnswer  # prefill takes dynamic batches; engines do not
+        group = self.remote.get(model)
+        if group is not None:
+            yield from self._remote_answers(group, message, batched, answer, link)
+            return
         watch = HolderWatch(self.board, link.ticket)
         watch.clear()  # the engine that takes this call records itself
-        answers = Answers(self.bls, request)
+        answers = Answers(self.bls, bls_request(model, message, batched, answer))
         while True:
             try:
                 item = answers.next(timeout=self.engine_check_s)
@@ -319,22 +366,43 @@ class FrontModel:
                 return
             if isinstance(item, Exception):
                 raise item
-            if item.has_error() and STUB_UNHEALTHY in item.error().message():
-                raise _EngineLost(Moved(MigrationReason.INSTANCE_DOWN, item.error().message()))
-            yield item
+            if not item.has_error():
+                yield Reply(outputs=outputs_of(item))
+                continue
+            error = item.error()
+            if STUB_UNHEALTHY in error.message():
+                raise _EngineLost(Moved(MigrationReason.INSTANCE_DOWN, error.message()))
+            yield Reply(error=error.message(), kind=error_kind(error.code()))
+
+    def _remote_answers(self, group: RemoteGroup, message: EngineRequest, batched: bool,
+                        answer: type[Message], link: ClientLink) -> Iterator[Reply]:
+        """A call on another server. No cancel board crosses servers: when the client goes
+        away the front cancels the call's stream, which the engine sees as a cancellation."""
+        message = dataclasses.replace(message, cancel_board=None, cancel_ticket=0)
+        call = group.call(message.encode(batched), answer.names())
+        while True:
+            if link.check_cancelled():
+                call.cancel()
+            try:
+                reply = call.next(timeout=self.engine_check_s)
+            except queue.Empty:
+                continue
+            if reply is RemoteCall.END:
+                return
+            if reply.unavailable:
+                raise _EngineLost(Moved(MigrationReason.INSTANCE_DOWN, reply.error))
+            yield reply
 
     def _prefill(self, engine_request: EngineRequest, link: ClientLink) -> PrefillAnswer | None:
         """The prefill group's answer; None when it failed or died (logged: decode then
         computes the prompt itself)."""
         result = None
         try:
-            request = bls_request(self.prefill_model, engine_request, True, PrefillAnswer)
-            for answer in self._answers(self.prefill_model, request, link):
-                if answer.has_error():
-                    log.warning("prefill failed, decode will recompute: %s",
-                                answer.error().message())
-                elif answer.output_tensors():
-                    result = PrefillAnswer.decode(outputs_of(answer))
+            for reply in self._answers(self.prefill_model, engine_request, PrefillAnswer, link):
+                if reply.error:
+                    log.warning("prefill failed, decode will recompute: %s", reply.error)
+                elif reply.outputs:
+                    result = PrefillAnswer.decode(reply.outputs)
         except _EngineLost as e:
             log.warning("prefill lost (%s), decode will recompute", e)
             self.metrics.migrated(e.moved.reason.value)
@@ -370,7 +438,10 @@ class FrontModel:
 
     def _live(self, model: str) -> bool:
         """Whether some instance of `model` has a live stub (stubs are tritonserver's
-        children, as this one is)."""
+        children, as this one is), or for a remote group, whether some server is up."""
+        group = self.remote.get(model)
+        if group is not None:
+            return group.live()
         return any(stub.model == model for stub in live_stubs(os.getppid()))
 
     def _relay(self, model: str, engine_request: EngineRequest, state: RequestStream,
@@ -379,16 +450,14 @@ class FrontModel:
         request must go on elsewhere."""
         moved = None
         try:
-            request = bls_request(model, engine_request, False, TokenStep)
-            for answer in self._answers(model, request, link):
+            for reply in self._answers(model, engine_request, TokenStep, link):
                 link.first_response()  # a token, an error or the end ends the wait
-                if answer.has_error():  # keeps the engine's code: a refusal is the client's
-                    error = answer.error()
-                    link.fail(error.message(), error.code())
+                if reply.error:  # keeps the engine's kind: a refusal is the client's
+                    link.fail(reply.error, error_code(reply.kind))
                     continue
-                if link.check_cancelled() or not answer.output_tensors():
+                if link.check_cancelled() or not reply.outputs:
                     continue  # drain until the engine's final response
-                step = TokenStep.decode(outputs_of(answer))
+                step = TokenStep.decode(reply.outputs)
                 if not step.error:
                     chunk = state.add(step.output_ids, step.output_log_probs,
                                       step.finish_reason)
@@ -406,6 +475,8 @@ class FrontModel:
         self.prober.close()
         self.pool.shutdown(wait=True, cancel_futures=True)
         self.bls.close()
+        for group in self.remote.values():
+            group.close()
         self.board.close()
         self._boards.close()
         if Answers.reading():

@@ -131,6 +131,9 @@ def test_refusals_name_the_reason(kind: str, owner: Any) -> None:
                              "layout": KVLayout(**{**LAYOUT.to_dict(), "head_dim": 4})}),
          Failure.LAYOUT),
     ]
+    if kind == "host_shm":  # shared memory reaches this node only
+        cases.append((handle.__class__(**{**handle.__dict__, "location": {
+            **handle.location, "node": "elsewhere/0"}}), Failure.UNREACHABLE))
     for bad, failure in cases:
         with pytest.raises(TransferError) as info:
             sink.fetch(bad, [0, 1, 2, 3])

@@ -24,9 +24,9 @@ from tritonclient.utils import InferenceServerException
 
 from python_backends import procfs
 from python_backends.client import scrape
+from python_backends.config import API_KEY_HEADER, GRPC_API_KEY_HEADER
 from python_backends.launcher import SHM_DIR
 from python_backends.net import free_port
-from python_backends.repository import API_KEY_HEADER, GRPC_API_KEY_HEADER
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
