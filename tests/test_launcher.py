@@ -57,3 +57,35 @@ def test_a_dying_server_is_restarted_until_it_dies_too_often(
     assert server.starts == 4  # the first start and three restarts
     out = capsys.readouterr().out
     assert out.count("restarting it") == 3 and "giving up" in out and UPSTREAM_ABORT in out
+
+
+def test_a_role_loads_only_its_models() -> None:
+    def loaded(o: ServerOptions) -> list[str]:
+        return [a.split("=", 1)[1] for a in TritonServer(o).command()
+                if a.startswith("--load-model=")]
+
+    assert loaded(ServerOptions()) == ["*"]
+    assert loaded(ServerOptions(role="prefill")) == ["kv_store", "prefill"]
+    assert set(loaded(ServerOptions(role="front"))) == {"preprocessing", "front",
+                                                        "postprocessing", "ensemble"}
+
+
+def test_roles_are_checked_and_reach_the_models_environment() -> None:
+    with pytest.raises(launcher.ServerError, match="needs --model-control explicit"):
+        ServerOptions(role="prefill", model_control="none")
+    with pytest.raises(launcher.ServerError, match="no front to call remote groups"):
+        ServerOptions(role="decode", remote_groups=(("prefill", "127.0.0.1:1"),))
+    with pytest.raises(launcher.ServerError, match="unknown role 'router'"):
+        ServerOptions(role="router")
+    front = ServerOptions(role="front", api_key="k",
+                          remote_groups=(("prefill", "a:1,b:2"), ("decode", "dns:decode:8001")))
+    assert front.env() == {"LLM_ROLE": "front", "LLM_PREFILL_SERVERS": "a:1,b:2",
+                           "LLM_DECODE_SERVERS": "dns:decode:8001", "LLM_API_KEY": "k"}
+
+
+def test_the_restart_budget_counts_within_its_window() -> None:
+    now = [0.0]
+    budget = launcher.RestartBudget(max_restarts=2, window_s=10.0, clock=lambda: now[0])
+    assert budget.spend() and budget.spend() and not budget.spend()
+    now[0] = 10.5  # the first two left the window
+    assert budget.spend()

@@ -395,17 +395,29 @@ class FrontModel:
 
     def _prefill(self, engine_request: EngineRequest, link: ClientLink) -> PrefillAnswer | None:
         """The prefill group's answer; None when it failed or died (logged: decode then
-        computes the prompt itself)."""
+        computes the prompt itself). A remote prefill server that is gone is tried once more
+        on another server of its group."""
+        group = self.remote.get(self.prefill_model)
+        for attempt in range(2):
+            try:
+                return self._prefill_once(engine_request, link)
+            except _EngineLost as e:
+                self.metrics.migrated(e.moved.reason.value)
+                retry = attempt == 0 and group is not None and group.live()
+                log.warning("prefill lost (%s), %s", e,
+                            "trying another server" if retry else "decode will recompute")
+                if not retry:
+                    break
+        return None
+
+    def _prefill_once(self, engine_request: EngineRequest, link: ClientLink
+                      ) -> PrefillAnswer | None:
         result = None
-        try:
-            for reply in self._answers(self.prefill_model, engine_request, PrefillAnswer, link):
-                if reply.error:
-                    log.warning("prefill failed, decode will recompute: %s", reply.error)
-                elif reply.outputs:
-                    result = PrefillAnswer.decode(reply.outputs)
-        except _EngineLost as e:
-            log.warning("prefill lost (%s), decode will recompute", e)
-            self.metrics.migrated(e.moved.reason.value)
+        for reply in self._answers(self.prefill_model, engine_request, PrefillAnswer, link):
+            if reply.error:
+                log.warning("prefill failed, decode will recompute: %s", reply.error)
+            elif reply.outputs:
+                result = PrefillAnswer.decode(reply.outputs)
         return result
 
     def _generate(self, model: str, engine_request: EngineRequest, state: RequestStream,

@@ -107,3 +107,30 @@ def test_close_sends_the_final_flag_once(front: types.ModuleType) -> None:
     link.close()
     link.fail("late", FakeError.INTERNAL)
     assert [flags for _, flags in sender.sent] == [FINAL]
+
+
+class FreedSender(Sender):
+    """Triton 2.51 frees a response sender with its final response: asking it is a segfault."""
+
+    def is_cancelled(self) -> bool:
+        assert not any(flags == FINAL for _, flags in self.sent), "asked after the final flag"
+        return False
+
+
+def test_a_sender_is_never_asked_after_its_final_response(front: types.ModuleType) -> None:
+    class Board:
+        def is_cancelled(self, ticket: int) -> bool:
+            return False
+
+    sender = FreedSender()
+    link = front.ClientLink(sender)
+    link.attach(Board(), 1, lambda: None)
+    assert not link.check_cancelled()
+    link.send(_chunk([7], "stop"), final=True)
+    assert not link.check_cancelled()  # a remote call's reader looks once more
+
+
+def test_triton_error_codes_map_to_engine_error_kinds_and_back(front: types.ModuleType) -> None:
+    for code in (FakeError.INVALID_ARG, FakeError.UNAVAILABLE, FakeError.INTERNAL):
+        assert front.error_code(front.error_kind(code)) == code
+    assert front.error_kind("NOT_FOUND") == "internal"

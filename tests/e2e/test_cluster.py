@@ -1,0 +1,158 @@
+"""A cluster on loopback: a front server, two prefill servers and one decode server, each its
+own tritonserver (python_backends.cluster, as scripts/serve_cluster.sh starts them). The front
+calls the engine servers over gRPC; the KV crosses from prefill to decode servers over NIXL.
+
+In order (each test leaves the cluster as the next expects): the reference prompts equal
+Hugging Face's through the cluster, with the prefill work on both prefill servers and no prompt
+computed on decode; a prefill server killed under load costs no request and leaves no KV block
+held; the decode server killed under load ends every stream with a clear error within seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from python_backends.client import GenerateError, LLMClient, as_list, metric_sum, scrape
+from python_backends.cluster import Cluster, ClusterPlan
+from python_backends.launcher import TritonServer, free_port
+from tests.e2e.conftest import ENGINE_DIR, MAX_TOKENS, PROMPTS, Reference, hf_greedy
+
+pytestmark = pytest.mark.e2e
+DISAGGREGATED = {"route": "disaggregated", "exclude_input_in_output": True}
+# Long, distinct prompts (no prefix shared): about 1200 tokens each, so that a prefill
+# server's 4 of them take several engine steps (2048 tokens a step) and finish one by one.
+STORIES = [f"Story {i}: " + " ".join(f"On day {d} fisher {i} sailed out to sea."
+                                     for d in range(120)) for i in range(8)]
+STORY_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    log_dir = tmp_path_factory.mktemp("cluster")
+    cluster = Cluster(ClusterPlan(prefill=2, decode=1, engine_dir=ENGINE_DIR, log_dir=log_dir)
+                      .servers(ports=free_port))
+    cluster.start(timeout_s=900)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def client(cluster: Cluster) -> LLMClient:
+    return LLMClient(cluster.front.options.http_url, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def stories() -> Reference:
+    return hf_greedy(STORIES, STORY_TOKENS)
+
+
+def _metric(server: TritonServer, name: str, **labels: str) -> float:
+    return metric_sum(scrape(server.options.metrics_url), name, **labels)
+
+
+def _wait_no_blocks(servers: list[TritonServer], timeout_s: float = 40.0) -> float:
+    """KV blocks still used on `servers` once they are idle (a lease from a dead server's
+    handoff is held until its deadline, 30 s)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        used = sum(_metric(s, "llm_kv_cache_blocks_used") for s in servers)
+        if not used or time.monotonic() > deadline:
+            return used
+        time.sleep(0.5)
+
+
+def _kill(server: TritonServer) -> None:
+    """The whole server at once, tritonserver and its stubs, as a lost machine would go."""
+    assert server.process is not None
+    os.killpg(server.process.pid, signal.SIGKILL)
+    server.process.wait()
+
+
+def test_reference_prompts_cross_servers(cluster: Cluster, client: LLMClient,
+                                         reference: Reference) -> None:
+    decode = cluster.of_role("decode")[0]
+    prefills = cluster.of_role("prefill")
+    nixl_before = _metric(decode, "llm_kv_transfer_bytes_total", transport="nixl")
+    computed_before = _metric(decode, "llm_prompt_tokens_computed_total")
+    for prompt in PROMPTS:
+        out = client.generate(prompt, max_tokens=MAX_TOKENS, **DISAGGREGATED)
+        assert as_list(out["output_ids"]) == reference.outputs[prompt]
+        assert out["text_output"] == reference.text(prompt)
+        streamed = client.stream_collect(prompt, max_tokens=MAX_TOKENS, **DISAGGREGATED)
+        assert streamed.output_ids == reference.outputs[prompt]
+        assert streamed.text == reference.text(prompt)
+    moved = _metric(decode, "llm_kv_transfer_bytes_total", transport="nixl") - nixl_before
+    served = [_metric(p, "nv_inference_request_success", model="prefill") for p in prefills]
+    print(f"KV over NIXL into the decode server: {moved / 1e6:.2f} MB; prefill requests per "
+          f"server: {served}")
+    assert moved > 0
+    assert _metric(decode, "llm_prompt_tokens_computed_total") == computed_before
+    assert all(n > 0 for n in served) and sum(served) == 2 * len(PROMPTS)
+    assert _metric(decode, "llm_kv_transfer_failures_total") == 0
+    assert _wait_no_blocks([decode, *prefills]) == 0
+
+
+def test_a_prefill_server_killed_under_load_costs_no_request(
+        cluster: Cluster, client: LLMClient, stories: Reference) -> None:
+    victim, survivor = cluster.of_role("prefill")
+    decode = cluster.of_role("decode")[0]
+
+    def one(prompt: str) -> list[int]:
+        return client.stream_collect(prompt, max_tokens=STORY_TOKENS, **DISAGGREGATED).output_ids
+
+    front = cluster.front
+    lost_before = _metric(front, "llm_request_migrations_total")
+    with ThreadPoolExecutor(len(STORIES)) as pool:
+        results = [pool.submit(one, p) for p in STORIES]
+        # Killed once it has answered its first prompt, while it holds the others.
+        answered = _metric(victim, "nv_inference_request_success", model="prefill")
+        deadline = time.monotonic() + 120
+        while (_metric(victim, "nv_inference_request_success", model="prefill") == answered
+               and time.monotonic() < deadline):
+            time.sleep(0.05)
+        _kill(victim)
+        outputs = [r.result(timeout=180) for r in results]
+    assert outputs == [stories.outputs[p] for p in STORIES]
+    lost = _metric(front, "llm_request_migrations_total") - lost_before
+    print(f"prefill calls lost with the server: {lost:.0f}; KV pulls that failed on decode: "
+          f"{_metric(decode, 'llm_kv_transfer_failures_total'):.0f}")
+    assert lost > 0  # the kill did cut prefills in flight
+    after = client.generate(STORIES[0], max_tokens=STORY_TOKENS, **DISAGGREGATED)
+    assert as_list(after["output_ids"]) == stories.outputs[STORIES[0]]
+    assert _wait_no_blocks([decode, survivor]) == 0
+
+
+def test_the_decode_server_killed_under_load_ends_every_stream_clearly(
+        cluster: Cluster, client: LLMClient) -> None:
+    decode = cluster.of_role("decode")[0]
+    ended: list[tuple[float, str]] = []
+
+    def one(prompt: str) -> None:
+        try:
+            client.stream_collect(prompt, max_tokens=400, **DISAGGREGATED)
+            ended.append((time.monotonic(), "finished"))
+        except GenerateError as e:
+            ended.append((time.monotonic(), str(e)))
+
+    with ThreadPoolExecutor(4) as pool:
+        for prompt in STORIES[:4]:
+            pool.submit(one, prompt)
+        deadline = time.monotonic() + 60
+        while _metric(decode, "llm_num_requests_running") < 4 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        killed_at = time.monotonic()
+        _kill(decode)
+    waits = [t - killed_at for t, _ in ended]
+    print(f"streams ended {max(waits):.1f} s after the decode server died at most: "
+          f"{ended[0][1]}")
+    assert len(ended) == 4 and all("no engine instance is left" in why for _, why in ended)
+    assert max(waits) < 10
+
