@@ -28,11 +28,11 @@ def test_ports_can_come_from_elsewhere() -> None:
     assert dict(servers[-1].remote_groups) == {"worker": "127.0.0.1:20028"}
 
 
-@pytest.mark.parametrize(("counts", "message"), [
-    ({"prefill": 1, "decode": 0}, "needs both --prefill and --decode"),
-    ({"prefill": 0, "decode": 0}, "no engine server"),
-    ({"prefill": -1, "decode": 1}, "cannot be negative"),
+@pytest.mark.parametrize(("prefill", "decode", "message"), [
+    (1, 0, "needs both --prefill and --decode"),
+    (0, 0, "no engine server"),
+    (-1, 1, "cannot be negative"),
 ])
-def test_plans_that_cannot_serve_are_refused(counts: dict[str, int], message: str) -> None:
+def test_plans_that_cannot_serve_are_refused(prefill: int, decode: int, message: str) -> None:
     with pytest.raises(ServerError, match=message):
-        ClusterPlan(**counts)
+        ClusterPlan(prefill=prefill, decode=decode)
