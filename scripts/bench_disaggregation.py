@@ -10,8 +10,13 @@
 3. Mixed workload: short and long prompts interleaved, streamed at a fixed concurrency, routed
    aggregated, disaggregated and auto (conditional); TTFT and TPOT percentiles per class.
 
+4. (`--cross-server`, alone) The handoff between servers: the same NIXL pulls, decode pulling
+   from a prefill server of its own (a cluster of front, prefill and decode servers on loopback,
+   docs/cluster.md) against decode pulling within one server; KV bandwidth and mean pull time.
+
     python scripts/bench_disaggregation.py --start-server   # starts a server on free ports
     python scripts/bench_disaggregation.py --skip-server    # part 1 only
+    python scripts/bench_disaggregation.py --cross-server   # part 4 only (starts 4 servers)
 """
 
 from __future__ import annotations
@@ -36,13 +41,14 @@ from python_backends.client import (
     percentile,
     scrape,
 )
+from python_backends.cluster import Cluster, ClusterPlan
 from python_backends.config import DEFAULT_ENGINE_DIR
 from python_backends.flag_board import BoardCache, FlagBoard
 from python_backends.kv_transfer import nixl
 from python_backends.kv_transfer.base import KVHandle, KVSink
 from python_backends.kv_transfer.host_shm import HostShmSink, HostShmSource, SharedPool
 from python_backends.kv_transfer.layout import KVLayout, allocate_pool
-from python_backends.launcher import server_for
+from python_backends.launcher import ServerOptions, TritonServer, free_port, server_for
 
 MIB = 1 << 20
 SIZES_MIB = (1, 4, 16, 64)
@@ -202,6 +208,61 @@ def bench_handoff(client: LLMClient, metrics_url: str, tokenizer: Any, transport
     return rows
 
 
+def _nixl_pulls(client: LLMClient, metrics_url: str, tokenizer: Any, prompt_tokens: int,
+                n: int) -> dict[str, float]:
+    """n prompts through prefill -> decode over NIXL; the decode side's pull figures."""
+    client.generate("Hello", max_tokens=2, route="disaggregated", kv_transport="nixl")  # warm-up
+    before = scrape(metrics_url)
+    for i in range(n):
+        client.generate(make_prompt(tokenizer, prompt_tokens, 500 + i), max_tokens=2,
+                        route="disaggregated", kv_transport="nixl", end_id=-1)
+    time.sleep(0.5)
+    after = scrape(metrics_url)
+    nbytes = metric_delta(before, after, "llm_kv_transfer_bytes_total", transport="nixl")
+    seconds = metric_delta(before, after, "llm_kv_transfer_duration_seconds_sum",
+                           transport="nixl")
+    pulls = metric_delta(before, after, "llm_kv_transfer_duration_seconds_count",
+                         transport="nixl")
+    return {"pulls": pulls, "MiB_per_pull": nbytes / max(pulls, 1) / MIB,
+            "ms_per_pull": 1e3 * seconds / max(pulls, 1),
+            "GiB_per_s": nbytes / seconds / (1 << 30) if seconds else float("nan")}
+
+
+def bench_cross_server(engine: Path, tokenizer: Any, prompt_tokens: int, n: int
+                       ) -> dict[str, dict[str, float]]:
+    """NIXL pulls within one server, then between a prefill and a decode server."""
+    rows = {}
+    log_dir = Path("/tmp/bench-disaggregation-cluster")
+    log_dir.mkdir(exist_ok=True)
+    print("[bench] 4a. one server: prefill and decode instances in it ...", flush=True)
+    opts = ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+                         engine_dir=engine, log_file=log_dir / "all.log")
+    with TritonServer(opts) as server:
+        server.wait_ready(progress=True)
+        rows["same server"] = _nixl_pulls(LLMClient(opts.http_url), opts.metrics_url, tokenizer,
+                                          prompt_tokens, n)
+    print("[bench] 4b. a front, a prefill and a decode server ...", flush=True)
+    cluster = Cluster(ClusterPlan(prefill=1, decode=1, engine_dir=engine, log_dir=log_dir)
+                      .servers(ports=free_port))
+    cluster.start(progress=True)
+    try:
+        decode = cluster.of_role("decode")[0].options
+        rows["across servers"] = _nixl_pulls(LLMClient(cluster.front.options.http_url),
+                                             decode.metrics_url, tokenizer, prompt_tokens, n)
+    finally:
+        cluster.stop()
+    return rows
+
+
+def print_cross_server(rows: dict[str, dict[str, float]], prompt_tokens: int) -> None:
+    same = rows["same server"]["GiB_per_s"]
+    print(f"\nKV pulls over NIXL, {prompt_tokens}-token prompts (decode side, means)")
+    print(f"{'':<16}{'pulls':>6}{'MiB/pull':>10}{'ms/pull':>9}{'GiB/s':>8}{'ratio':>7}")
+    for name, r in rows.items():
+        print(f"{name:<16}{r['pulls']:>6.0f}{r['MiB_per_pull']:>10.2f}{r['ms_per_pull']:>9.2f}"
+              f"{r['GiB_per_s']:>8.2f}{r['GiB_per_s'] / same:>7.2f}")
+
+
 def bench_mixed(client: LLMClient, tokenizer: Any, routes: list[str], n: int, short: int,
                 long: int, output_tokens: int, concurrency: int) -> list[dict[str, Any]]:
     work = [(make_prompt(tokenizer, long if i % 2 else short, i), "long" if i % 2 else "short")
@@ -254,7 +315,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--long-tokens", type=int, default=768)
     ap.add_argument("--output-tokens", type=int, default=32)
     ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--cross-server", action="store_true",
+                    help="only part 4: NIXL pulls between servers vs within one")
     args = ap.parse_args(argv)
+    if args.cross_server:
+        from transformers import AutoTokenizer
+
+        rows = bench_cross_server(args.engine, AutoTokenizer.from_pretrained(str(args.engine)),
+                                  args.handoff_prompt_tokens, args.handoff_requests)
+        print_cross_server(rows, args.handoff_prompt_tokens)
+        return 0
 
     print("[bench] 1. KV transport bandwidth across processes ...", flush=True)
     transport_rows = bench_transports(args.repeats)
