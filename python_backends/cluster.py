@@ -15,14 +15,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from types import FrameType
 
 from python_backends.config import API_KEY_ENV
 from python_backends.launcher import (
@@ -32,8 +29,7 @@ from python_backends.launcher import (
     ServerError,
     ServerOptions,
     TritonServer,
-    start_gateway,
-    stop_process,
+    serve_until_stopped,
 )
 
 ENGINE_ROLES = tuple(REMOTE_GROUP_ENVS)  # prefill, decode, worker
@@ -177,35 +173,20 @@ def main(argv: list[str] | None = None) -> int:
     args.log_dir.mkdir(parents=True, exist_ok=True)
     cluster = Cluster(plan.servers())
 
-    def on_signal(signum: int, _frame: FrameType | None) -> None:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # one stop, however many Ctrl-Cs
-        print(f"\n[cluster] {signal.Signals(signum).name}: stopping every server ...", flush=True)
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
-    gateway: subprocess.Popen[bytes] | None = None
-    try:
+    def start() -> ServerOptions:
         print(f"[cluster] starting {len(cluster.servers)} servers (logs in {args.log_dir}) ...",
               flush=True)
         cluster.start(progress=True)
-        if args.gateway_port:
-            gateway = start_gateway(cluster.front.options, args.gateway_port)
-        print(_banner(cluster, args.gateway_port), flush=True)
+        return cluster.front.options
+
+    def watch() -> int:
         while True:
             for note in cluster.restart_dead():
                 print(f"[cluster] {note}", flush=True)
             time.sleep(1.0)
-    except KeyboardInterrupt:
-        return 0
-    except ServerError as e:
-        print(f"[cluster] error: {e}", file=sys.stderr, flush=True)
-        return 1
-    finally:
-        if gateway is not None:
-            stop_process(gateway)
-        cluster.stop()
-        print("[cluster] stopped", flush=True)
+
+    return serve_until_stopped("cluster", start, lambda: _banner(cluster, args.gateway_port),
+                               watch, cluster.stop, args.gateway_port)
 
 
 if __name__ == "__main__":

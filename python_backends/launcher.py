@@ -403,35 +403,48 @@ def main(argv: list[str] | None = None) -> int:
     if opts.role not in ("all", "front"):
         args.gateway_port = 0  # no ensemble here for a gateway to call
     server = TritonServer(opts)
-    stopping = False
 
+    def start() -> ServerOptions:
+        server.start()
+        server.wait_ready(progress=True)
+        return opts
+
+    return serve_until_stopped("serve", start, lambda: _banner(opts, args.gateway_port),
+                               lambda: supervise(server), server.stop, args.gateway_port)
+
+
+def serve_until_stopped(tag: str, start: Callable[[], ServerOptions], banner: Callable[[], str],
+                        watch: Callable[[], int], stop: Callable[[], None],
+                        gateway_port: int) -> int:
+    """A foreground serving script's life (serve.sh, serve_cluster.sh): `start` the servers
+    (it returns the options of the one a gateway fronts), the gateway on `gateway_port` (0:
+    none), print the `banner`, then `watch` until it returns or SIGINT / SIGTERM comes (one
+    stop, however many signals); the gateway and the servers are stopped either way."""
     def on_signal(signum: int, _frame: object) -> None:
-        nonlocal stopping
-        if not stopping:
-            stopping = True
-            print(f"\n[serve] {signal.Signals(signum).name}: stopping the server ...", flush=True)
-            raise KeyboardInterrupt
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        print(f"\n[{tag}] {signal.Signals(signum).name}: stopping ...", flush=True)
+        raise KeyboardInterrupt
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     gateway: subprocess.Popen[bytes] | None = None
     try:
-        server.start()
-        server.wait_ready(progress=True)
-        if args.gateway_port:
-            gateway = start_gateway(opts, args.gateway_port)
-        print(_banner(opts, args.gateway_port), flush=True)
-        return supervise(server)
+        fronted = start()
+        if gateway_port:
+            gateway = start_gateway(fronted, gateway_port)
+        print(banner(), flush=True)
+        return watch()
     except KeyboardInterrupt:
         return 0
     except ServerError as e:
-        print(f"[serve] error: {e}", file=sys.stderr, flush=True)
+        print(f"[{tag}] error: {e}", file=sys.stderr, flush=True)
         return 1
     finally:
         if gateway is not None:
             stop_process(gateway)
-        server.stop()
-        print("[serve] stopped", flush=True)
+        stop()
+        print(f"[{tag}] stopped", flush=True)
 
 
 @dataclass

@@ -1,11 +1,13 @@
-"""A cluster on loopback: a front server, two prefill servers and one decode server, each its
+"""A cluster on loopback: a front server, two prefill servers and two decode servers, each its
 own tritonserver (python_backends.cluster, as scripts/serve_cluster.sh starts them). The front
 calls the engine servers over gRPC; the KV crosses from prefill to decode servers over NIXL.
 
 In order (each test leaves the cluster as the next expects): the reference prompts equal
 Hugging Face's through the cluster, with the prefill work on both prefill servers and no prompt
 computed on decode; a prefill server killed under load costs no request and leaves no KV block
-held; the decode server killed under load ends every stream with a clear error within seconds.
+held; a decode server killed under load moves its streams to the other decode server, which
+finishes them as Hugging Face would; the last decode server killed under load ends every stream
+with a clear error within seconds.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ STORY_TOKENS = 24
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     log_dir = tmp_path_factory.mktemp("cluster")
-    cluster = Cluster(ClusterPlan(prefill=2, decode=1, engine_dir=ENGINE_DIR, log_dir=log_dir)
+    cluster = Cluster(ClusterPlan(prefill=2, decode=2, engine_dir=ENGINE_DIR, log_dir=log_dir)
                       .servers(ports=free_port))
     cluster.start(timeout_s=900)
     try:
@@ -78,10 +80,14 @@ def _kill(server: TritonServer) -> None:
 
 def test_reference_prompts_cross_servers(cluster: Cluster, client: LLMClient,
                                          reference: Reference) -> None:
-    decode = cluster.of_role("decode")[0]
+    decodes = cluster.of_role("decode")
     prefills = cluster.of_role("prefill")
-    nixl_before = _metric(decode, "llm_kv_transfer_bytes_total", transport="nixl")
-    computed_before = _metric(decode, "llm_prompt_tokens_computed_total")
+
+    def on_decode(name: str, **labels: str) -> float:
+        return sum(_metric(d, name, **labels) for d in decodes)
+
+    nixl_before = on_decode("llm_kv_transfer_bytes_total", transport="nixl")
+    computed_before = on_decode("llm_prompt_tokens_computed_total")
     for prompt in PROMPTS:
         out = client.generate(prompt, max_tokens=MAX_TOKENS, **DISAGGREGATED)
         assert as_list(out["output_ids"]) == reference.outputs[prompt]
@@ -89,21 +95,22 @@ def test_reference_prompts_cross_servers(cluster: Cluster, client: LLMClient,
         streamed = client.stream_collect(prompt, max_tokens=MAX_TOKENS, **DISAGGREGATED)
         assert streamed.output_ids == reference.outputs[prompt]
         assert streamed.text == reference.text(prompt)
-    moved = _metric(decode, "llm_kv_transfer_bytes_total", transport="nixl") - nixl_before
+    moved = on_decode("llm_kv_transfer_bytes_total", transport="nixl") - nixl_before
     served = [_metric(p, "nv_inference_request_success", model="prefill") for p in prefills]
-    print(f"KV over NIXL into the decode server: {moved / 1e6:.2f} MB; prefill requests per "
+    print(f"KV over NIXL into the decode servers: {moved / 1e6:.2f} MB; prefill requests per "
           f"server: {served}")
     assert moved > 0
-    assert _metric(decode, "llm_prompt_tokens_computed_total") == computed_before
+    assert on_decode("llm_prompt_tokens_computed_total") == computed_before
     assert all(n > 0 for n in served) and sum(served) == 2 * len(PROMPTS)
-    assert _metric(decode, "llm_kv_transfer_failures_total") == 0
-    assert _wait_no_blocks([decode, *prefills]) == 0
+    assert all(_metric(d, "nv_inference_request_success", model="decode") > 0 for d in decodes)
+    assert on_decode("llm_kv_transfer_failures_total") == 0
+    assert _wait_no_blocks([*decodes, *prefills]) == 0
 
 
 def test_a_prefill_server_killed_under_load_costs_no_request(
         cluster: Cluster, client: LLMClient, stories: Reference) -> None:
     victim, survivor = cluster.of_role("prefill")
-    decode = cluster.of_role("decode")[0]
+    decodes = cluster.of_role("decode")
 
     def one(prompt: str) -> list[int]:
         return client.stream_collect(prompt, max_tokens=STORY_TOKENS, **DISAGGREGATED).output_ids
@@ -122,17 +129,44 @@ def test_a_prefill_server_killed_under_load_costs_no_request(
         outputs = [r.result(timeout=180) for r in results]
     assert outputs == [stories.outputs[p] for p in STORIES]
     lost = _metric(front, "llm_request_migrations_total") - lost_before
+    failed = sum(_metric(d, "llm_kv_transfer_failures_total") for d in decodes)
     print(f"prefill calls lost with the server: {lost:.0f}; KV pulls that failed on decode: "
-          f"{_metric(decode, 'llm_kv_transfer_failures_total'):.0f}")
+          f"{failed:.0f}")
     assert lost > 0  # the kill did cut prefills in flight
     after = client.generate(STORIES[0], max_tokens=STORY_TOKENS, **DISAGGREGATED)
     assert as_list(after["output_ids"]) == stories.outputs[STORIES[0]]
-    assert _wait_no_blocks([decode, survivor]) == 0
+    assert _wait_no_blocks([*decodes, survivor]) == 0
 
 
-def test_the_decode_server_killed_under_load_ends_every_stream_clearly(
+def test_a_decode_server_killed_under_load_moves_its_streams_to_the_other(
+        cluster: Cluster, client: LLMClient, stories: Reference) -> None:
+    victim, survivor = cluster.of_role("decode")
+    prompts = STORIES[:4]
+
+    def one(prompt: str) -> list[int]:
+        return client.stream_collect(prompt, max_tokens=STORY_TOKENS, **DISAGGREGATED).output_ids
+
+    # A moved stream's prompt and tokens so far are computed again on the survivor, which
+    # otherwise computes no prompt token (the KV comes from prefill).
+    computed_before = _metric(survivor, "llm_prompt_tokens_computed_total")
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        results = [pool.submit(one, p) for p in prompts]
+        deadline = time.monotonic() + 120  # killed while it streams
+        while not _metric(victim, "llm_num_requests_running") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        _kill(victim)
+        outputs = [r.result(timeout=180) for r in results]
+    assert outputs == [stories.outputs[p] for p in prompts]
+    recomputed = _metric(survivor, "llm_prompt_tokens_computed_total") - computed_before
+    print(f"tokens the surviving decode server computed for the streams it took over: "
+          f"{recomputed:.0f}")
+    assert recomputed > 0
+    assert _wait_no_blocks([survivor]) == 0
+
+
+def test_the_last_decode_server_killed_under_load_ends_every_stream_clearly(
         cluster: Cluster, client: LLMClient) -> None:
-    decode = cluster.of_role("decode")[0]
+    decode = cluster.of_role("decode")[1]  # the other one died in the test before
     ended: list[tuple[float, str]] = []
 
     def one(prompt: str) -> None:
