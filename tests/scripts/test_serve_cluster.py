@@ -12,6 +12,7 @@ import socket
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import requests
@@ -62,7 +63,7 @@ def test_serve_cluster_starts_answers_and_stops_on_ctrl_c(tmp_path: Path) -> Non
             time.sleep(1)
         assert f"worker   gRPC 127.0.0.1:{base + 4}" in out.read_text()
         url = f"http://127.0.0.1:{base}/v2/models/ensemble/generate"
-        body = {"text_input": "The capital of France is", "max_tokens": 8}
+        body: dict[str, Any] = {"text_input": "The capital of France is", "max_tokens": 8}
         assert requests.post(url, json=body, timeout=60).status_code == 403
         r = requests.post(url, json=body, headers={API_KEY_HEADER: KEY}, timeout=120)
         assert r.status_code == 200 and "Paris" in r.json()["text_output"], r.text
