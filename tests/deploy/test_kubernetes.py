@@ -178,8 +178,8 @@ def test_every_manifest_is_a_valid_resource() -> None:
     assert {d["kind"] for d in docs} >= {"ServingRuntime", "InferenceService", "Service",
                                           "PodDisruptionBudget", "PodMonitor", "ScaledObject",
                                           "Deployment", "ConfigMap"}
-    errors = {f"{d['kind']} {d['metadata']['name']}": schema_errors(d) for d in docs}
-    assert not any(errors.values()), errors
+    errors = {f"{d['kind']} {d['metadata']['name']}": e for d in docs if (e := schema_errors(d))}
+    assert not errors, errors
 
 
 def test_resources_reference_each_other_correctly() -> None:
