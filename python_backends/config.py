@@ -7,6 +7,7 @@ the tokenizer files and one safetensors file per rank. Loading it never dequanti
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,14 @@ from typing import Any
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_ENGINE_DIR = PROJECT_ROOT / "engines" / "smollm2"  # what scripts/serve.sh builds
 ENGINE_DIR_ENV = "LLM_ENGINE_DIR"
+
+
+def engine_dir_default() -> Path:
+    """The engine a model or the gateway uses when told none: $LLM_ENGINE_DIR (what serve.sh
+    and the container image set), else the default engine serve.sh builds."""
+    return Path(os.environ.get(ENGINE_DIR_ENV) or DEFAULT_ENGINE_DIR)
+
+
 API_KEY_ENV = "LLM_API_KEY"
 # A server's role: which models it loads (launcher.ROLE_MODELS). The front model of a `front`
 # server reaches engine groups on other servers only.

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from python_backends.config import DEFAULT_ENGINE_DIR
+from python_backends.config import engine_dir_default
 from python_backends.front.admission import RateLimit, parse_rate_limits
 
 DEFAULT_PORT = 9000
@@ -87,7 +87,8 @@ POLICIES = ("least_loaded", "prefix_aware")
 class GatewayConfig:
     backends: tuple[BackendConfig, ...]
     model: str = "smollm2"  # the name clients use (/v1/models)
-    engine_dir: Path = DEFAULT_ENGINE_DIR  # its tokenizer: chat template, token counts
+    # its tokenizer (chat template, token counts); default: $LLM_ENGINE_DIR, else serve.sh's
+    engine_dir: Path = field(default_factory=engine_dir_default)
     api_keys: dict[str, str] = field(default_factory=dict)  # key -> tenant; empty: open
     rate_limits: dict[str, RateLimit] = field(default_factory=dict)
     health_interval_s: float = 1.0  # readiness and load are read this often per server

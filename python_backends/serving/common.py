@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from python_backends.config import DEFAULT_ENGINE_DIR, ENGINE_DIR_ENV
+from python_backends.config import engine_dir_default
 from python_backends.flag_board import BoardCache, FlagBoard
 from python_backends.wire import EngineRequest, Message
 
@@ -53,9 +53,8 @@ class ModelArgs:
     def engine_dir(self) -> Path:
         """Engine directory: the model's `engine_dir` parameter, else $LLM_ENGINE_DIR, else the
         default engine that scripts/serve.sh builds."""
-        return Path(
-            self.param("engine_dir") or os.environ.get(ENGINE_DIR_ENV) or DEFAULT_ENGINE_DIR
-        )
+        value = self.param("engine_dir")
+        return Path(value) if value else engine_dir_default()
 
 
 # `kv_transports: auto`: what the instance's KV pool allows, fastest first.

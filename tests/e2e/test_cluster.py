@@ -4,7 +4,8 @@ calls the engine servers over gRPC; the KV crosses from prefill to decode server
 
 In order (each test leaves the cluster as the next expects): the reference prompts equal
 Hugging Face's through the cluster, with the prefill work on both prefill servers and no prompt
-computed on decode; a prefill server killed under load costs no request and leaves no KV block
+computed on decode; a client that goes away ends its request on the decode server; a prefill
+server killed under load costs no request and leaves no KV block
 held; a decode server killed under load moves its streams to the other decode server, which
 finishes them as Hugging Face would; the last decode server killed under load ends every stream
 with a clear error within seconds.
@@ -17,8 +18,10 @@ import signal
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pytest
+import requests
 
 from python_backends.client import GenerateError, LLMClient, as_list, metric_sum, scrape
 from python_backends.cluster import Cluster, ClusterPlan
@@ -105,6 +108,28 @@ def test_reference_prompts_cross_servers(cluster: Cluster, client: LLMClient,
     assert all(_metric(d, "nv_inference_request_success", model="decode") > 0 for d in decodes)
     assert on_decode("llm_kv_transfer_failures_total") == 0
     assert _wait_no_blocks([*decodes, *prefills]) == 0
+
+
+def test_a_client_that_goes_away_ends_its_request_on_the_engine_server(
+        cluster: Cluster, client: LLMClient) -> None:
+    """No cancel board crosses servers: the front cancels the engine call's gRPC stream."""
+    decodes = cluster.of_role("decode")
+    body: dict[str, Any] = {"text_input": STORIES[0], "max_tokens": 400, "stream": True,
+                            "end_id": -1, **DISAGGREGATED}
+    with requests.post(f"{client.base_url}/v2/models/ensemble/generate_stream", json=body,
+                       stream=True, timeout=120) as r:
+        events = (line for line in r.iter_lines() if line.startswith(b"data:"))
+        for _ in range(5):
+            next(events)
+        assert sum(_metric(d, "llm_num_requests_running") for d in decodes) == 1
+    gone_at = time.monotonic()  # the connection is closed here
+    while sum(_metric(d, "llm_num_requests_running") for d in decodes) and (
+            time.monotonic() - gone_at < 10):
+        time.sleep(0.1)
+    print(f"the decode server let go of the request {time.monotonic() - gone_at:.1f} s after "
+          "its client left")
+    assert _wait_no_blocks(decodes, timeout_s=10) == 0
+    assert sum(_metric(d, "llm_num_requests_running") for d in decodes) == 0
 
 
 def test_a_prefill_server_killed_under_load_costs_no_request(

@@ -61,3 +61,14 @@ def test_a_config_file_with_two_servers(tmp_path: Path) -> None:
 def test_bad_configs_name_the_field(raw: dict[str, object], field: str) -> None:
     with pytest.raises(ConfigError, match=field):
         GatewayConfig.from_dict(raw)
+
+
+def test_the_engine_defaults_to_the_one_the_servers_use(monkeypatch: pytest.MonkeyPatch,
+                                                        tmp_path: Path) -> None:
+    """serve.sh and the container image name the engine in $LLM_ENGINE_DIR; a gateway given
+    none must read its tokenizer there, not from the repository's default path."""
+    raw = {"backends": [{"name": "a", "grpc": "h:1", "metrics": "http://h:2/metrics"}]}
+    monkeypatch.setenv("LLM_ENGINE_DIR", str(tmp_path))
+    assert GatewayConfig.from_dict(raw).engine_dir == tmp_path
+    monkeypatch.delenv("LLM_ENGINE_DIR")
+    assert GatewayConfig.from_dict(raw).engine_dir.name == "smollm2"
