@@ -9,7 +9,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -162,7 +162,11 @@ async def _openai(gw: Gateway, request: Request, parse: Callable[[Any], Generati
     if gen.stream:
         return StreamingResponse(_sse(gw, call, answer, endpoint),
                                  media_type="text/event-stream")
-    await _whole(gw, request, call, answer, endpoint)
+    async def collect() -> None:
+        async for d in _relay(call, answer):
+            _add(answer, d)
+
+    await _whole(gw, request, call, endpoint, collect)
     return JSONResponse(answer.whole())
 
 
@@ -190,7 +194,7 @@ def _add(answer: Answer, d: Delta) -> None:
 
 
 async def _sse(gw: Gateway, call: Call, answer: Answer, endpoint: str) -> AsyncIterator[str]:
-    try:
+    async def events() -> AsyncIterator[str]:
         first = True
         async for d in _relay(call, answer):
             if d.text or d.finish_reason or first:
@@ -200,14 +204,31 @@ async def _sse(gw: Gateway, call: Call, answer: Answer, endpoint: str) -> AsyncI
             _add(answer, d)
         if answer.gen.include_usage:
             yield f"data: {json.dumps(answer.usage_chunk())}\n\n"
+
+    async for event in _counted(gw, call, endpoint, events(),
+                                lambda e: f"data: {json.dumps(e.body())}\n\n"):
+        yield event
+    yield SSE_DONE
+
+
+async def _counted(gw: Gateway, call: Call, endpoint: str, events: AsyncIterator[str],
+                   error_event: Callable[[ApiError], str]) -> AsyncIterator[str]:
+    """A streamed answer's events, its status counted once (200; the error's, sent as a last
+    event since the stream has begun; 499 when the client went away) and the call closed
+    however the stream ends: a client that goes away ends the request on the server."""
+    try:
+        async for event in events:
+            yield event
         gw.metrics.count(endpoint, call.backend, 200)
-    except Exception as e:  # the stream has begun: the error goes as an event
+    except (GeneratorExit, asyncio.CancelledError):
+        gw.metrics.count(endpoint, call.backend, CLIENT_CLOSED)
+        raise
+    except Exception as e:
         error = e if isinstance(e, ApiError) else _internal(e)
         gw.metrics.count(endpoint, call.backend, error.status)
-        yield f"data: {json.dumps(error.body())}\n\n"
+        yield error_event(error)
     finally:
-        await call.close()  # also when the client went away: the server ends the request
-    yield SSE_DONE
+        await call.close()
 
 
 def _internal(e: Exception) -> ApiError:
@@ -215,15 +236,11 @@ def _internal(e: Exception) -> ApiError:
     return ApiError(500, f"the gateway failed: {type(e).__name__}: {e}")
 
 
-async def _whole(gw: Gateway, request: Request, call: Call, answer: Answer,
-                 endpoint: str) -> None:
-    """Read the whole answer; a client that goes away meanwhile cancels it on the server
-    (Triton's own /generate cannot notice that, docs/operations.md)."""
-
-    async def collect() -> None:
-        async for d in _relay(call, answer):
-            _add(answer, d)
-
+async def _whole(gw: Gateway, request: Request, call: Call, endpoint: str,
+                 collect: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    """Read a whole answer (`collect`); a client that goes away meanwhile cancels it on the
+    server (Triton's own /generate cannot notice that, docs/operations.md). Counts the status
+    once and closes the call."""
     task = asyncio.create_task(collect())
     try:
         while not task.done():
@@ -271,30 +288,21 @@ async def _kserve(gw: Gateway, request: Request, model: str, streaming: bool) ->
     upstream = BackendRequest({**inputs, "stream": streaming}, parameters, route, endpoint)
     call = await gw.open(upstream, arrived)
     if streaming:
-        return StreamingResponse(_kserve_sse(gw, call, endpoint),
-                                 media_type="text/event-stream")
-    try:
-        pieces = [p async for p in call.pieces()]
-    except ApiError as e:
-        gw.metrics.count(endpoint, call.backend, e.status)
-        raise
-    finally:
-        await call.close()
-    gw.metrics.count(endpoint, call.backend, 200)
+        events = _counted(gw, call, endpoint, _kserve_events(call),
+                          lambda e: f"data: {json.dumps({'error': e.message})}\n\n")
+        return StreamingResponse(events, media_type="text/event-stream")
+    pieces: list[Piece] = []
+
+    async def collect() -> None:
+        pieces.extend([p async for p in call.pieces()])
+
+    await _whole(gw, request, call, endpoint, collect)
     return JSONResponse(_kserve_outputs(pieces[-1]))
 
 
-async def _kserve_sse(gw: Gateway, call: Call, endpoint: str) -> AsyncIterator[str]:
-    try:
-        async for piece in call.pieces():
-            yield f"data: {json.dumps(_kserve_outputs(piece))}\n\n"
-        gw.metrics.count(endpoint, call.backend, 200)
-    except Exception as e:
-        error = e if isinstance(e, ApiError) else _internal(e)
-        gw.metrics.count(endpoint, call.backend, error.status)
-        yield f"data: {json.dumps({'error': error.message})}\n\n"
-    finally:
-        await call.close()
+async def _kserve_events(call: Call) -> AsyncIterator[str]:
+    async for piece in call.pieces():
+        yield f"data: {json.dumps(_kserve_outputs(piece))}\n\n"
 
 
 def _kserve_outputs(piece: Piece) -> dict[str, Any]:

@@ -158,24 +158,40 @@ def _cancelled_by_gateway(gateway: Gateway) -> float:
 
 
 def test_a_client_that_goes_away_cancels_its_request(gateway: Gateway, server: Server) -> None:
+    """Non-streaming requests (OpenAI's and the proxied KServe /generate: Triton's own
+    /generate cannot do this) and a stream: each ends on the server, counted as 499."""
     before = _cancelled_by_gateway(gateway)
     body: dict[str, Any] = {"model": MODEL, "prompt": "Count from 1 to 1000: 1, 2, 3,",
                             "max_tokens": 400, "temperature": 0}
-    with pytest.raises(requests.Timeout):  # non-streaming: Triton's /generate cannot do this
-        requests.post(f"{gateway.url}/v1/completions", json=body, timeout=1.5,
-                      headers={"Authorization": f"Bearer {KEY}"})
-    deadline = time.monotonic() + 5
-    while _cancelled_by_gateway(gateway) == before and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert _cancelled_by_gateway(gateway) == before + 1
-    assert server.wait_idle(timeout=5) == 0
-    assert metric_sum(server.metrics(), "llm_num_requests_running") == 0
+    _goes_away(gateway, server, f"{gateway.url}/v1/completions", body,
+               {"Authorization": f"Bearer {KEY}"})
+    _goes_away(gateway, server, f"{gateway.url}/v2/models/ensemble/generate",
+               {"text_input": body["prompt"], "max_tokens": 400}, {"x-api-key": KEY})
     with requests.post(f"{gateway.url}/v1/completions", json={**body, "stream": True},
                        headers={"Authorization": f"Bearer {KEY}"}, stream=True,
                        timeout=60) as r:
         lines = r.iter_lines()
         assert next(line for line in lines if line.startswith(b"data:"))
     assert server.wait_idle(timeout=5) == 0  # the dropped stream freed its KV too
+    deadline = time.monotonic() + 5
+    while _cancelled_by_gateway(gateway) < before + 3 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _cancelled_by_gateway(gateway) == before + 3  # and it was counted as such
+
+
+def _goes_away(gateway: Gateway, server: Server, url: str, body: dict[str, Any],
+               headers: dict[str, str]) -> None:
+    """A non-streaming request whose client times out: 499 at the gateway, nothing left
+    running on the server."""
+    before = _cancelled_by_gateway(gateway)
+    with pytest.raises(requests.Timeout):
+        requests.post(url, json=body, timeout=1.5, headers=headers)
+    deadline = time.monotonic() + 5
+    while _cancelled_by_gateway(gateway) == before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _cancelled_by_gateway(gateway) == before + 1
+    assert server.wait_idle(timeout=5) == 0
+    assert metric_sum(server.metrics(), "llm_num_requests_running") == 0
 
 
 def test_kserve_generate_endpoints_are_proxied(gateway: Gateway, server: Server) -> None:
