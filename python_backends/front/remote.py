@@ -136,7 +136,8 @@ class RemoteGroup:
     def live(self) -> bool:
         return bool(self.servers.up())
 
-    def _stub(self, address: str) -> Any:
+    def stub(self, address: str) -> Any:
+        """The gRPC stub of `address` (one channel per server, shared by its calls)."""
         from tritonclient.grpc import service_pb2_grpc
 
         with self._lock:
@@ -219,7 +220,7 @@ class RemoteCall:
         from tritonclient.grpc import InferResult
 
         try:
-            self._call = group._stub(self.address).ModelStreamInfer(
+            self._call = group.stub(self.address).ModelStreamInfer(
                 self._requests(request), metadata=list(group.headers.items()) or None)
             if self._cancelled:
                 self._call.cancel()
