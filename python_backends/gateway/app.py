@@ -157,16 +157,19 @@ async def _openai(gw: Gateway, request: Request, parse: Callable[[Any], Generati
         inputs["return_log_probs"] = True
     if gen.cache_salt is not None:
         inputs["cache_salt"] = gen.cache_salt
-    call = await gw.open(BackendRequest(inputs, {"tenant": tenant}, route, endpoint), arrived)
+    upstream = BackendRequest(inputs, {"tenant": tenant}, route, endpoint)
     answer = Answer(gen, lambda t: str(gw.tokenizer.decode([t])))
     if gen.stream:
+        call = await gw.open(upstream, arrived)
         return StreamingResponse(_sse(gw, call, answer, endpoint),
                                  media_type="text/event-stream")
-    async def collect() -> None:
-        async for d in _relay(call, answer):
+
+    async def work(calls: list[Call]) -> None:
+        calls.append(await gw.open(upstream, arrived))
+        async for d in _relay(calls[0], answer):
             _add(answer, d)
 
-    await _whole(gw, request, call, endpoint, collect)
+    await _whole(gw, request, endpoint, work)
     return JSONResponse(answer.whole())
 
 
@@ -236,12 +239,14 @@ def _internal(e: Exception) -> ApiError:
     return ApiError(500, f"the gateway failed: {type(e).__name__}: {e}")
 
 
-async def _whole(gw: Gateway, request: Request, call: Call, endpoint: str,
-                 collect: Callable[[], Coroutine[Any, Any, None]]) -> None:
-    """Read a whole answer (`collect`); a client that goes away meanwhile cancels it on the
-    server (Triton's own /generate cannot notice that, docs/operations.md). Counts the status
-    once and closes the call."""
-    task = asyncio.create_task(collect())
+async def _whole(gw: Gateway, request: Request, endpoint: str,
+                 work: Callable[[list[Call]], Coroutine[Any, Any, None]]) -> None:
+    """Open a call and read its whole answer (`work`, which appends the call it opens to the
+    list it is given); a client that goes away meanwhile, while a server is chosen included,
+    cancels it on the server (Triton's own /generate cannot notice that,
+    docs/operations.md). Counts the status once and closes the call."""
+    calls: list[Call] = []
+    task = asyncio.create_task(work(calls))
     try:
         while not task.done():
             await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
@@ -249,18 +254,20 @@ async def _whole(gw: Gateway, request: Request, call: Call, endpoint: str,
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-                gw.metrics.count(endpoint, call.backend, CLIENT_CLOSED)
+                gw.metrics.count(endpoint, calls[0].backend if calls else None, CLIENT_CLOSED)
                 raise ApiError(CLIENT_CLOSED, "the client went away")
         try:
             task.result()
         except ApiError as e:
-            gw.metrics.count(endpoint, call.backend, e.status)
+            if calls:  # a refusal before any call was counted where it happened
+                gw.metrics.count(endpoint, calls[0].backend, e.status)
             raise
-        gw.metrics.count(endpoint, call.backend, 200)
+        gw.metrics.count(endpoint, calls[0].backend, 200)
     finally:
         if not task.done():
             task.cancel()
-        await call.close()
+        if calls:
+            await calls[0].close()
 
 
 async def _kserve(gw: Gateway, request: Request, model: str, streaming: bool) -> Response:
@@ -286,17 +293,18 @@ async def _kserve(gw: Gateway, request: Request, model: str, streaming: bool) ->
     route = gw.route_request(tenant, None, request.headers.get(REGION_HEADER, ""), token_ids,
                              salt if isinstance(salt, str) else None)
     upstream = BackendRequest({**inputs, "stream": streaming}, parameters, route, endpoint)
-    call = await gw.open(upstream, arrived)
     if streaming:
+        call = await gw.open(upstream, arrived)
         events = _counted(gw, call, endpoint, _kserve_events(call),
                           lambda e: f"data: {json.dumps({'error': e.message})}\n\n")
         return StreamingResponse(events, media_type="text/event-stream")
     pieces: list[Piece] = []
 
-    async def collect() -> None:
-        pieces.extend([p async for p in call.pieces()])
+    async def work(calls: list[Call]) -> None:  # the whole answer is the first piece
+        calls.append(await gw.open(upstream, arrived))
+        pieces.extend([p async for p in calls[0].pieces()])
 
-    await _whole(gw, request, call, endpoint, collect)
+    await _whole(gw, request, endpoint, work)
     return JSONResponse(_kserve_outputs(pieces[-1]))
 
 
