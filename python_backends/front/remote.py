@@ -250,7 +250,10 @@ class RemoteCall:
         return self._queue.get(timeout=timeout)
 
     def cancel(self) -> None:
-        """Cancel the stream: the remote engine sees its request cancelled and frees its KV."""
+        """Cancel the stream: the remote engine sees its request cancelled and frees its KV.
+        Once is enough: later calls do nothing."""
+        if self._cancelled:
+            return
         self._cancelled = True
         if self._call is not None:
             self._call.cancel()

@@ -164,12 +164,11 @@ async def _openai(gw: Gateway, request: Request, parse: Callable[[Any], Generati
         return StreamingResponse(_sse(gw, call, answer, endpoint),
                                  media_type="text/event-stream")
 
-    async def work(calls: list[Call]) -> None:
-        calls.append(await gw.open(upstream, arrived))
-        async for d in _relay(calls[0], answer):
+    async def collect(call: Call) -> None:
+        async for d in _relay(call, answer):
             _add(answer, d)
 
-    await _whole(gw, request, endpoint, work)
+    await _whole(gw, request, upstream, arrived, collect)
     return JSONResponse(answer.whole())
 
 
@@ -239,14 +238,21 @@ def _internal(e: Exception) -> ApiError:
     return ApiError(500, f"the gateway failed: {type(e).__name__}: {e}")
 
 
-async def _whole(gw: Gateway, request: Request, endpoint: str,
-                 work: Callable[[list[Call]], Coroutine[Any, Any, None]]) -> None:
-    """Open a call and read its whole answer (`work`, which appends the call it opens to the
-    list it is given); a client that goes away meanwhile, while a server is chosen included,
-    cancels it on the server (Triton's own /generate cannot notice that,
-    docs/operations.md). Counts the status once and closes the call."""
-    calls: list[Call] = []
-    task = asyncio.create_task(work(calls))
+async def _whole(gw: Gateway, request: Request, upstream: BackendRequest, arrived: float,
+                 consume: Callable[[Call], Coroutine[Any, Any, None]]) -> None:
+    """Open a call for `upstream` and `consume` its whole answer; a client that goes away
+    meanwhile, while a server is chosen included, cancels it on the server (Triton's own
+    /generate cannot notice that, docs/operations.md). Counts the status once and closes the
+    call."""
+    endpoint = upstream.endpoint
+    call: Call | None = None
+
+    async def work() -> None:
+        nonlocal call
+        call = await gw.open(upstream, arrived)
+        await consume(call)
+
+    task = asyncio.create_task(work())
     try:
         while not task.done():
             await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
@@ -254,20 +260,21 @@ async def _whole(gw: Gateway, request: Request, endpoint: str,
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-                gw.metrics.count(endpoint, calls[0].backend if calls else None, CLIENT_CLOSED)
+                gw.metrics.count(endpoint, call.backend if call else None, CLIENT_CLOSED)
                 raise ApiError(CLIENT_CLOSED, "the client went away")
         try:
             task.result()
         except ApiError as e:
-            if calls:  # a refusal before any call was counted where it happened
-                gw.metrics.count(endpoint, calls[0].backend, e.status)
+            if call is not None:  # a refusal before any call was counted where it happened
+                gw.metrics.count(endpoint, call.backend, e.status)
             raise
-        gw.metrics.count(endpoint, calls[0].backend, 200)
+        assert call is not None
+        gw.metrics.count(endpoint, call.backend, 200)
     finally:
         if not task.done():
             task.cancel()
-        if calls:
-            await calls[0].close()
+        if call is not None:
+            await call.close()
 
 
 async def _kserve(gw: Gateway, request: Request, model: str, streaming: bool) -> Response:
@@ -300,11 +307,10 @@ async def _kserve(gw: Gateway, request: Request, model: str, streaming: bool) ->
         return StreamingResponse(events, media_type="text/event-stream")
     pieces: list[Piece] = []
 
-    async def work(calls: list[Call]) -> None:  # the whole answer is the first piece
-        calls.append(await gw.open(upstream, arrived))
-        pieces.extend([p async for p in calls[0].pieces()])
+    async def collect(call: Call) -> None:  # the whole answer is the first piece
+        pieces.extend([p async for p in call.pieces()])
 
-    await _whole(gw, request, endpoint, work)
+    await _whole(gw, request, upstream, arrived, collect)
     return JSONResponse(_kserve_outputs(pieces[-1]))
 
 

@@ -117,6 +117,13 @@ class EngineCall:
     board: FlagBoard | None
     ticket: int
 
+    def is_cancelled(self) -> bool:
+        """The client cancelled, or the front that asked is gone; a caller without a board (a
+        front on another server, a direct client) cancels its Triton request instead."""
+        if self.board is not None:
+            return self.board.is_cancelled(self.ticket)
+        return bool(self.sender.is_cancelled())
+
 
 def engine_calls(requests: list[Any], boards: BoardCache, model: str) -> Iterator[EngineCall]:
     """Decode each request of an engine model's `execute`, recording this process as its holder

@@ -27,12 +27,13 @@ from python_backends.engine.llm_engine import LLMEngine, TokenEvent
 from python_backends.engine.ranks import RankFailure
 from python_backends.engine.sequence import Sequence
 from python_backends.engine.waiting_queue import PriorityFairQueue
-from python_backends.flag_board import BoardCache, FlagBoard
+from python_backends.flag_board import BoardCache
 from python_backends.kv_transfer.base import Failure, KVHandle, TransferError, abandon
 from python_backends.kv_transfer.factory import TransportUnavailable, make_sinks
 from python_backends.params import FinishReason
 from python_backends.serving.common import (
     FINAL,
+    EngineCall,
     ModelArgs,
     ShuttingDown,
     engine_calls,
@@ -50,12 +51,11 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class _Caller:
-    """Who asked for a sequence, and how to tell it was cancelled."""
+    """Who asked for a sequence (whom to answer, how to tell it was cancelled), and what the
+    sequence carries for it."""
 
-    sender: Any
+    call: EngineCall
     num_prompt_tokens: int
-    board: FlagBoard | None  # set when the caller (the front) relays cancellation
-    ticket: int
     fault: str = ""  # an injected engine fault (front.validation.ENGINE_FAULTS)
     # A prefilled request's KV handle until its pull takes it: a lease to give back at once
     # if the sequence ends or starts without one (refused, cancelled, no room to pull into).
@@ -66,14 +66,13 @@ class _Caller:
         return bool(self.fault) and ev.num_output_tokens > 1 and ev.finish_reason is None
 
     @property
+    def sender(self) -> Any:
+        return self.call.sender
+
+    @property
     def lane(self) -> str:
         """The outbox lane of the caller: its front instance, or direct callers."""
-        return caller_lane(self.board)
-
-    def is_cancelled(self) -> bool:
-        if self.board is not None:
-            return self.board.is_cancelled(self.ticket)
-        return bool(self.sender.is_cancelled())
+        return caller_lane(self.call.board)
 
 
 def step_response(step: TokenStep) -> Any:
@@ -125,8 +124,7 @@ class GeneratorModel(EngineListener):
                                  flags=FINAL)
                 continue
             seq_id = uuid.uuid4().hex
-            self._callers[seq_id] = _Caller(call.sender, len(req.prompt_ids), call.board,
-                                            call.ticket, req.engine_fault, handle)
+            self._callers[seq_id] = _Caller(call, len(req.prompt_ids), req.engine_fault, handle)
             seq = Sequence(seq_id, list(req.prompt_ids), req.params, priority=req.priority,
                            tenant=req.tenant, cache_salt=req.cache_salt)
             if handle is not None:
@@ -170,7 +168,7 @@ class GeneratorModel(EngineListener):
         return False
 
     def is_cancelled(self, seq_id: str) -> bool:
-        return self._callers[seq_id].is_cancelled()
+        return self._callers[seq_id].call.is_cancelled()
 
     def on_step(self, engine: LLMEngine) -> None:
         """Publish the gauges (throttled) and send the lease releases of KV pulled meanwhile."""
@@ -211,7 +209,7 @@ class GeneratorModel(EngineListener):
         self._release_unpulled(caller)
         if isinstance(error, RankFailure):  # whether or not anybody is left to answer
             self._restart_soon()
-        if caller_gone(self.outbox, caller.board):  # its front died: nobody to answer
+        if caller_gone(self.outbox, caller.call.board):  # its front died: nobody to answer
             return
         if error is None:
             step = TokenStep([], [], FinishReason.CANCELLED.value, caller.num_prompt_tokens, 0)

@@ -35,12 +35,6 @@ from python_backends.wire import PrefillAnswer
 log = logging.getLogger(__name__)
 
 
-def _cancelled(board: FlagBoard | None, ticket: int, sender: Any) -> bool:
-    """The client cancelled, or the front that asked is gone; a caller without a board (a
-    front on another server, a direct client) cancels its Triton request."""
-    return board.is_cancelled(ticket) if board is not None else bool(sender.is_cancelled())
-
-
 def prefill_response(result: PrefillResult) -> Any:
     return response(PrefillAnswer(
         token_id=result.token_id,
@@ -94,7 +88,7 @@ class PrefillModel:
             req = call.message.request
             job = PrefillJob(req.prompt_ids, req.params, req.kv_transport, req.kv_fault,
                              req.priority, req.tenant, req.cache_salt,
-                             partial(_cancelled, call.board, call.ticket, call.sender))
+                             call.is_cancelled)
             self.prefiller.submit(job, partial(self._done, call.sender, call.board))
         return None
 

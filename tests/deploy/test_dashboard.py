@@ -36,16 +36,22 @@ GATEWAY_PREFIX = "gateway_"  # exported by the gateway (python_backends/gateway)
 GATEWAY_DOC = PROJECT_ROOT / "docs" / "gateway.md"
 
 
+def metric_family(name: str) -> str:
+    """A latency histogram's series (`..._seconds_bucket`, `_sum`, `_count`) as its family;
+    any other name as it is."""
+    for suffix in HISTOGRAM_SUFFIXES:
+        if name.endswith("_seconds" + suffix):
+            return name.removesuffix(suffix)
+    return name
+
+
 def dashboard_metrics(dashboard: dict[str, Any]) -> set[str]:
     """Metric families the dashboard's queries use (histogram series folded to the family)."""
     names = set()
     for panel in dashboard["panels"]:
         for target in panel["targets"]:
             for name in re.findall(r"\b(?:llm|gateway)_[a-z0-9_]+", target["expr"]):
-                for suffix in HISTOGRAM_SUFFIXES:
-                    if name.endswith("_seconds" + suffix):
-                        name = name.removesuffix(suffix)
-                names.add(name)
+                names.add(metric_family(name))
     return names
 
 

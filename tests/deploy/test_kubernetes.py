@@ -33,7 +33,7 @@ from referencing.jsonschema import DRAFT202012
 
 from python_backends.config import PROJECT_ROOT
 from python_backends.gateway.config import GatewayConfig
-from tests.deploy.test_dashboard import HISTOGRAM_SUFFIXES, METRICS_DOC
+from tests.deploy.test_dashboard import METRICS_DOC, metric_family
 
 K8S_VERSION = "1.33.0"
 DEPLOY = PROJECT_ROOT / "deploy"
@@ -55,6 +55,7 @@ def documents(paths: list[Path] = MANIFESTS) -> list[dict[str, Any]]:
     return [d for p in paths for d in yaml.safe_load_all(p.read_text()) if d]
 
 
+@cache  # every validation looks up the same few files (_definitions.json is large)
 def _retrieve(uri: str) -> Resource[Any]:
     """Kubernetes' schemas by file name: `urn:k8s:container-v1.json` from our schemas, and
     the `/api/_definitions.json` references inside Kubernetes' own files."""
@@ -158,10 +159,7 @@ def query_metrics(query: str) -> set[str]:
 
     def walk(node: Any) -> None:
         if type(node).__name__ == "VectorSelector":
-            name = node.name or ""
-            for suffix in HISTOGRAM_SUFFIXES:
-                name = name.removesuffix(suffix) if name.endswith("_seconds" + suffix) else name
-            names.add(name)
+            names.add(metric_family(node.name or ""))
         for attr in ("expr", "lhs", "rhs", "param", "vector_selector"):
             child = getattr(node, attr, None)
             if child is not None:

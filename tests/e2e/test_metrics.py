@@ -65,12 +65,9 @@ def test_dashboard_queries_only_metrics_the_server_exports(server: Server) -> No
 
 
 def test_keda_queries_use_only_metrics_the_server_exports(server: Server) -> None:
+    from tests.deploy.test_dashboard import metric_family
     from tests.deploy.test_kubernetes import documents, keda_queries, query_metrics
 
-    exported = set()
-    for name in server.metrics():
-        for suffix in ("_bucket", "_sum", "_count"):
-            name = name.removesuffix(suffix) if name.endswith("_seconds" + suffix) else name
-        exported.add(name)
+    exported = {metric_family(name) for name in server.metrics()}
     used = set().union(*(query_metrics(q) for q in keda_queries(documents())))
     assert used and used <= exported, used - exported
