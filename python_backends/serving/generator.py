@@ -21,7 +21,7 @@ from typing import Any
 import triton_python_backend_utils as pb_utils
 
 from python_backends.diagnostics import enable_stack_dumps
-from python_backends.engine.engine_loop import EngineListener, EngineLoop
+from python_backends.engine.engine_loop import EngineListener, EngineLoop, build_off_thread
 from python_backends.engine.kv_handoff import BlocksInDoubt
 from python_backends.engine.llm_engine import LLMEngine, TokenEvent
 from python_backends.engine.ranks import RankFailure
@@ -89,14 +89,15 @@ class GeneratorModel(EngineListener):
                        .items()}
         except (ValueError, AttributeError) as e:
             raise pb_utils.TritonModelException(f"worker: bad tenant_weights: {e}") from None
-        engine = LLMEngine.from_engine_dir(
+        engine = build_off_thread(partial(
+            LLMEngine.from_engine_dir,
             margs.engine_dir(),
             num_kv_blocks=margs.int_param("kv_cache_blocks", 1024),
             enable_chunked_prefill=margs.param("enable_chunked_prefill", "true") == "true",
             waiting=PriorityFairQueue(weights),
             placement=margs.placement,
             **prefix_caching(margs),
-        )
+        ))
         self.metrics = EngineMetrics(margs.model_name, margs.instance_name)
         self._callers: dict[str, _Caller] = {}
         self._boards = BoardCache()

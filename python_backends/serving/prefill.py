@@ -12,6 +12,7 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from python_backends.diagnostics import enable_stack_dumps
+from python_backends.engine.engine_loop import build_off_thread
 from python_backends.engine.llm_engine import LLMEngine
 from python_backends.engine.prefiller import Prefiller, PrefillJob, PrefillResult
 from python_backends.flag_board import BoardCache, FlagBoard
@@ -57,10 +58,11 @@ class PrefillModel:
             self._shared = SharedPool.create(layout)
             return self._shared.tensor
 
-        engine = LLMEngine.from_engine_dir(
+        engine = build_off_thread(partial(
+            LLMEngine.from_engine_dir,
             margs.engine_dir(), num_kv_blocks=margs.int_param("kv_cache_blocks", 512),
             kv_pool=pool, placement=margs.placement, **prefix_caching(margs),
-        )
+        ))
         try:
             sources = make_sources(transports, engine.handoff.pool, margs.model_name,
                                    self._shared.name if self._shared else None)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import threading
 import time
 
-from python_backends.engine.engine_loop import EngineListener, EngineLoop
+import pytest
+
+from python_backends.engine.engine_loop import EngineListener, EngineLoop, build_off_thread
 from python_backends.engine.llm_engine import TokenEvent
 from python_backends.engine.sequence import Sequence
 from python_backends.params import SamplingParams
@@ -82,3 +84,23 @@ def test_cancellation_and_refusal(tiny_llama: TinyModel) -> None:
     assert "KV blocks" in str(c.finished["big"])
     assert c.finished["a"] == c.finished["b"] == "cancelled"
     assert engine.blocks.num_used == 0 and not engine.has_unfinished
+
+
+def test_build_off_thread_builds_on_a_thread_that_is_gone_after() -> None:
+    built_on: list[threading.Thread] = []
+
+    def make() -> str:
+        built_on.append(threading.current_thread())
+        return "engine"
+
+    assert build_off_thread(make) == "engine"
+    assert built_on[0] is not threading.current_thread()
+    assert not built_on[0].is_alive()  # its OpenMP team went with it
+
+
+def test_build_off_thread_raises_the_builders_error_on_the_caller() -> None:
+    def make() -> None:
+        raise ValueError("no such engine")
+
+    with pytest.raises(ValueError, match="no such engine"):
+        build_off_thread(make)
