@@ -63,6 +63,17 @@ def process(pid: int | str) -> Process | None:
     return Process(int(pid), fields[0], int(fields[1]), int(fields[2]), int(fields[19]))
 
 
+def cpu_seconds(pid: int | str) -> float:
+    """CPU time `pid` used so far, user and system, all its threads (0 if it is gone); `pid` may
+    be "PID/task/TID" for one thread."""
+    try:
+        stat = (PROC / str(pid) / "stat").read_text()
+    except OSError:
+        return 0.0
+    fields = stat[stat.rindex(")") + 2:].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def running(pid: int) -> bool:
     """Whether `pid` exists and is not a zombie."""
     proc = process(pid)

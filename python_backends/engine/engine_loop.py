@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -179,7 +180,9 @@ class EngineLoop:
                 self._listener.on_finished_early(seq.seq_id, error)
             return
         if events:
+            start = time.perf_counter()
             self._listener.on_tokens(events)
+            self.engine.step_seconds["respond"] += time.perf_counter() - start
 
     def _run(self) -> None:
         if self.engine.device.type == "cuda":  # the current CUDA device is per thread

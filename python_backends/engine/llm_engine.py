@@ -16,7 +16,7 @@ from python_backends.engine.kv_handoff import KVHandoff
 from python_backends.engine.loader import kv_layout, load_model
 from python_backends.engine.model_runner import rank_runner
 from python_backends.engine.prefix_cache import KVTier, PrefixCache
-from python_backends.engine.ranks import RankGroup
+from python_backends.engine.ranks import RankGroup, threads_per_rank
 from python_backends.engine.sampler import SampleResult, sample
 from python_backends.engine.scheduler import Scheduler, SchedulerOutput
 from python_backends.engine.sequence import Sequence
@@ -26,6 +26,11 @@ from python_backends.models.llama import LlamaForCausalLM
 from python_backends.parallel.context import ParallelContext
 from python_backends.parallel.placement import Placement
 from python_backends.params import FinishReason, SamplingParams
+
+# Where a step's time goes (LLMEngine.step_seconds): scheduling (with KV pulls), packing the
+# step's inputs, the model's forward pass, sampling, updating sequences, and the engine loop's
+# listener turning tokens into responses (engine_loop; the step's callers).
+STEP_PHASES = ("schedule", "prepare", "forward", "sample", "update", "respond")
 
 # Makes the KV store tier behind an engine's pool, given the pool and its (whole-model) layout.
 TierFactory = Callable[[torch.Tensor, KVLayout], KVTier]
@@ -70,6 +75,7 @@ class EngineStats:
     ranks_alive: int = 1  # of the engine's parallel group; fewer than ranks_total: unhealthy
     ranks_total: int = 1
     devices: tuple[str, ...] = ("cpu",)  # rank r's device
+    step_seconds: tuple[tuple[str, float], ...] = ()  # since start: by STEP_PHASES
 
 
 class LLMEngine:
@@ -103,6 +109,7 @@ class LLMEngine:
                                    self.prefix)
         self.handoff = KVHandoff(whole, self.runner, self.blocks, self.scheduler, kv_pool)
         self.busy_seconds = 0.0
+        self.step_seconds = dict.fromkeys(STEP_PHASES, 0.0)
 
     @classmethod
     def from_engine_dir(
@@ -110,16 +117,19 @@ class LLMEngine:
         waiting: WaitingQueue | None = None,
         kv_pool: Callable[[KVLayout, torch.device], torch.Tensor] | None = None,
         placement: Placement | None = None, enable_prefix_caching: bool = True,
-        kv_tier: TierFactory | None = None,
+        kv_tier: TierFactory | None = None, cpu_threads: int = 0,
     ) -> LLMEngine:
         """`kv_pool`: makes the pool for the engine's layout on rank 0's device (default: plain
         memory there). `placement`: where the instance's ranks compute (default: the CPU).
-        The rest as in `__init__`."""
+        `cpu_threads`: torch threads for all its ranks together (0: every core but one; see
+        ranks.threads_per_rank); set for the whole process. The rest as in `__init__`."""
         config = EngineConfig.load(engine_dir)
         devices = (placement or Placement()).devices(config.parallel.world_size)
+        threads = threads_per_rank(config.parallel.world_size, cpu_threads)
+        torch.set_num_threads(threads)
         group = None
         if config.parallel.world_size > 1:
-            group = RankGroup(engine_dir, config, num_kv_blocks, devices)
+            group = RankGroup(engine_dir, config, num_kv_blocks, devices, threads=threads)
         try:
             ctx = group.ctx if group else ParallelContext(config.parallel, device=devices[0])
             model = load_model(engine_dir, config, ctx)
@@ -176,17 +186,27 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
+        self.step_seconds["schedule"] += time.perf_counter() - start
         try:
             return self._run(out)
         finally:
             self.busy_seconds += time.perf_counter() - start
 
     def _run(self, out: SchedulerOutput) -> list[TokenEvent]:
+        times, t0 = self.step_seconds, time.perf_counter()
+        prepared = self.runner.prepare_seconds
         logits, sampling = self.runner.run(out)
+        t1 = time.perf_counter()
+        prepare = self.runner.prepare_seconds - prepared
+        times["prepare"] += prepare
+        times["forward"] += t1 - t0 - prepare
         result = sample(sampling, logits) if sampling else SampleResult([], None)
+        t2 = time.perf_counter()
+        times["sample"] += t2 - t1
         seqs = self.scheduler.update(out, result)
         events = [self._event(s) for s in seqs]
         self.handoff.export([b for e in events if e.kv_blocks for b in e.kv_blocks])
+        times["update"] += time.perf_counter() - t2
         return events
 
     @staticmethod
@@ -234,4 +254,5 @@ class LLMEngine:
             ranks_alive=self.runner.group.ranks_alive if self.runner.group else 1,
             ranks_total=self.config.parallel.world_size,
             devices=tuple(str(d) for d in self.devices),
+            step_seconds=tuple(self.step_seconds.items()),
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING
 
@@ -39,6 +40,7 @@ class ModelRunner:
         self.group = group
         self.block_size = block_size
         self.kv_pool = kv_pool
+        self.prepare_seconds = 0.0  # since start: packing steps' inputs (LLMEngine.step_seconds)
         self.kv_caches = list(kv_pool.unbind(0))  # one [2, S, K, D] view per layer
         for attn, cache in zip(model.attention_layers(), self.kv_caches, strict=True):
             attn.kv_cache = cache
@@ -50,6 +52,15 @@ class ModelRunner:
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
     def prepare(
+        self, scheduled: Seq[ScheduledSequence]
+    ) -> tuple[torch.Tensor, AttentionMetadata, list[Sequence]]:
+        start = time.perf_counter()
+        try:
+            return self._prepare(scheduled)
+        finally:
+            self.prepare_seconds += time.perf_counter() - start
+
+    def _prepare(
         self, scheduled: Seq[ScheduledSequence]
     ) -> tuple[torch.Tensor, AttentionMetadata, list[Sequence]]:
         input_ids: list[int] = []

@@ -54,8 +54,15 @@ class RankFailure(RuntimeError):
     """A rank of the engine's parallel group died or stopped answering."""
 
 
-def _threads_per_rank(world_size: int) -> int:
-    return max(1, (os.cpu_count() or 1) // world_size)
+def threads_per_rank(world_size: int, cpu_threads: int = 0) -> int:
+    """torch intra-op threads of each rank of an engine: its `cpu_threads` (0: every core but
+    one, which Triton, the other stubs and co-located clients need) split over its ranks, at
+    least 1. Why not every core: an OpenMP team whose threads outnumber the cores left free
+    waits at every parallel region for a thread the kernel descheduled, hundreds of times a
+    step; measured on 2 cores with a 2-thread engine, one busy core outside the engine took a
+    stream from 41 to 0.9 tokens/s (docs/engines.md, "CPU threads")."""
+    total = cpu_threads or max(1, (os.cpu_count() or 1) - 1)
+    return max(1, total // world_size)
 
 
 def join_group(rank: int, world_size: int, port: int, config: EngineConfig,
@@ -128,13 +135,13 @@ class RankGroup:
 
     def __init__(self, engine_dir: str | Path, config: EngineConfig, num_kv_blocks: int,
                  devices: Sequence[torch.device] | None = None,
-                 timeout_s: float = STARTUP_TIMEOUT_S) -> None:
-        """`devices`: rank r's device (default: all on the CPU; see parallel.placement)."""
+                 timeout_s: float = STARTUP_TIMEOUT_S, threads: int = 1) -> None:
+        """`devices`: rank r's device (default: all on the CPU; see parallel.placement).
+        `threads`: torch intra-op threads of every rank (threads_per_rank)."""
         self.config = config
         self.dtype = DTYPES[config.dtype]
         world = config.parallel.world_size
         self.devices = devices = list(devices or [CPU] * world)
-        torch.set_num_threads(_threads_per_rank(world))
         port = free_port()
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         self._failure_logged = False
@@ -142,8 +149,9 @@ class RankGroup:
             self.procs[rank] = subprocess.Popen(
                 [_python(), "-m", RANK_MODULE, "--engine-dir",
                  str(engine_dir), "--rank", str(rank), "--port", str(port),
-                 "--num-kv-blocks", str(num_kv_blocks), "--device", str(devices[rank])],
-                env={**os.environ, "OMP_NUM_THREADS": str(_threads_per_rank(world))},
+                 "--num-kv-blocks", str(num_kv_blocks), "--device", str(devices[rank]),
+                 "--threads", str(threads)],
+                env={**os.environ, "OMP_NUM_THREADS": str(threads)},
             )
         try:
             self.ctx = join_group(0, world, port, config, timeout_s, devices[0])
@@ -309,11 +317,12 @@ def rank_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--num-kv-blocks", type=int, required=True)
     ap.add_argument("--device", type=torch.device, default=CPU)
+    ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
     _die_with_parent()
     enable_stack_dumps()
     config = EngineConfig.load(args.engine_dir)
-    torch.set_num_threads(_threads_per_rank(config.parallel.world_size))
+    torch.set_num_threads(args.threads)
     ctx = join_group(args.rank, config.parallel.world_size, args.port, config, STARTUP_TIMEOUT_S,
                      args.device)
     runner = rank_runner(config, load_model(args.engine_dir, config, ctx), args.num_kv_blocks)

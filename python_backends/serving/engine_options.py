@@ -7,10 +7,27 @@ import os
 from functools import partial
 from typing import Any
 
+import triton_python_backend_utils as pb_utils
+
 from python_backends.kv_store.host_store import find_store
 from python_backends.kv_store.tier import StoreTier
 from python_backends.kv_transfer.layout import KVLayout
 from python_backends.serving.common import ModelArgs
+
+
+def cpu_threads(margs: ModelArgs) -> int:
+    """The engine models' `cpu_threads` parameter: torch threads for the instance's engine, all
+    its ranks together; `auto` (or empty): every core but one (engine.ranks.threads_per_rank).
+    Engines that compute at the same time (prefill and decode under disaggregation, several
+    instances) should share the cores between them: see docs/engines.md, "CPU threads"."""
+    value = margs.param("cpu_threads", "auto").strip()
+    if value == "auto":
+        return 0
+    n = margs.int_param("cpu_threads", 0)
+    if n < 1:
+        raise pb_utils.TritonModelException(
+            f"{margs.model_name}: parameter cpu_threads must be auto or at least 1, got {value!r}")
+    return n
 
 
 def prefix_caching(margs: ModelArgs) -> dict[str, Any]:

@@ -78,6 +78,7 @@ class EngineMetrics:
         self._declare_latencies(labels)
         self._labels = labels
         self._placement: dict[str, Metric] = {}  # by device
+        self._step_phases: dict[str, _Total] = {}  # by phase (llm_engine.STEP_PHASES)
         self._publish_lock = threading.Lock()
         self._last_publish = 0.0
         self._priorities_seen: dict[str, set[int]] = {"running": set(), "waiting": set()}
@@ -159,6 +160,14 @@ class EngineMetrics:
             self._placement[device].set(n)
         for field, total in self._totals.items():
             total.publish(getattr(stats, field))
+        for phase, seconds in stats.step_seconds:  # every phase from the first publish on
+            if phase not in self._step_phases:
+                self._step_phases[phase] = _Total(_metric(
+                    "llm_engine_step_seconds_total",
+                    "Time the engine loop spent in each phase of its steps (where a token's "
+                    "time goes; scripts/bench_sweep.py --breakdown)",
+                    pb_utils.MetricFamily.COUNTER, {**self._labels, "phase": phase}))
+            self._step_phases[phase].publish(seconds)
 
 
 class _Total:

@@ -28,7 +28,7 @@ from python_backends.serving.common import (
     kv_transports,
     response,
 )
-from python_backends.serving.engine_options import prefix_caching
+from python_backends.serving.engine_options import cpu_threads, prefix_caching
 from python_backends.serving.metrics import EngineMetrics, KVTransferMetrics
 from python_backends.serving.outbox import Outbox, caller_gone, caller_lane
 from python_backends.wire import PrefillAnswer
@@ -61,7 +61,8 @@ class PrefillModel:
         engine = build_off_thread(partial(
             LLMEngine.from_engine_dir,
             margs.engine_dir(), num_kv_blocks=margs.int_param("kv_cache_blocks", 512),
-            kv_pool=pool, placement=margs.placement, **prefix_caching(margs),
+            kv_pool=pool, placement=margs.placement, cpu_threads=cpu_threads(margs),
+            **prefix_caching(margs),
         ))
         try:
             sources = make_sources(transports, engine.handoff.pool, margs.model_name,

