@@ -62,15 +62,18 @@ def _imports_vllm(python: Path) -> bool:
     return done.returncode == 0
 
 
-def export_checkpoint(engine_dir: Path, out_dir: Path) -> Path:
-    """Our engine's source weights as a Hugging Face float32 checkpoint in `out_dir` (kept: later
-    runs reuse it)."""
+def export_checkpoint(engine_dir: Path) -> Path:
+    """The weights of our engine's source as a Hugging Face float32 checkpoint, beside the engine
+    (`engines/peer-<source name>`, kept for later runs; engines of any dtype built from the same
+    source share it)."""
+    source = Path(EngineConfig.load(engine_dir).source)
+    out_dir = engine_dir.parent / f"peer-{source.stem}"
     if (out_dir / "config.json").is_file():
         return out_dir
     from python_backends.engine.builder import load_hf
 
-    _say(f"exporting the engine's weights to {out_dir} ...")
-    model, tokenizer = load_hf(EngineConfig.load(engine_dir).source)
+    _say(f"exporting the weights of {source} to {out_dir} ...")
+    model, tokenizer = load_hf(source)
     model.hf_quantizer = None  # dequantized from GGUF already: a plain float32 model now
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config

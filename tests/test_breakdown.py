@@ -1,0 +1,31 @@
+"""The arithmetic of a breakdown: CPU per token by process name, engine phases per token."""
+
+from __future__ import annotations
+
+from python_backends.breakdown import STEP_PHASES_METRIC, Snapshot, breakdown, format_breakdown
+from python_backends.client import Metrics
+
+
+def phases(**seconds: float) -> Metrics:
+    return {STEP_PHASES_METRIC: {
+        frozenset({("model", "worker"), ("instance", f"worker_0_{i}"), ("phase", phase)}): s / 2
+        for phase, s in seconds.items() for i in range(2)}}
+
+
+def test_breakdown_per_token() -> None:
+    names = {1: "tritonserver", 2: "front", 3: "worker", 4: "worker"}
+    before = Snapshot({1: 10.0, 2: 5.0, 3: 100.0, 4: 50.0}, names, phases(forward=1.0, sample=0))
+    # pid 5 started during the load (counted from 0), pid 4 ended (left out).
+    after_names = {1: "tritonserver", 2: "front", 3: "worker", 5: "worker"}
+    after = Snapshot({1: 10.5, 2: 5.25, 3: 101.0, 5: 1.0}, after_names,
+                     phases(forward=3.0, sample=0.1))
+    b = breakdown(before, after, tokens=1000, wall_s=2.0)
+    assert b.cpu_ms == {"tritonserver": 0.5, "front": 0.25, "worker": 2.0}
+    assert b.phases_ms == {"worker": {"forward": 2.0, "sample": 0.1}}
+    text = format_breakdown(b, cores=2)
+    assert "4.00 core-ms per token" in text and "forward 2.00, sample 0.10" in text
+
+
+def test_idle_engines_are_left_out() -> None:
+    snap = Snapshot({1: 1.0}, {1: "tritonserver"}, phases(forward=1.0))
+    assert breakdown(snap, snap, tokens=10, wall_s=1.0).phases_ms == {}
