@@ -3,15 +3,19 @@
 
 Drives `ensemble/generate_stream` with aiperf (template endpoint, see docs/platform.md) on a fixed
 workload (--prompt-tokens, --output-tokens with the end id ignored) at each --concurrency, and
-optionally a peer OpenAI-compatible server (for example vLLM for CPU, started by you) with the
-same aiperf workload in the same run, then prints each level's figures and the ratios to the
-peer. For our server it also reads the server's own TTFT histogram over each level and prints
-it against aiperf's (they measure the same thing from two ends).
+optionally a peer OpenAI-compatible server with the same aiperf workload in the same run, then
+prints each level's figures and the ratios to the peer. The peer is either started here
+(`--peer vllm`: vLLM for CPU from .venv-vllm on the engine's weights in float32, set up on first
+use; python_backends/peer.py) or given (`--peer-url`). `--rounds N` measures every level N
+times, the targets interleaved level by level, so drift shows. For our server it also reads the
+server's own TTFT histogram over each level and prints it against aiperf's (they measure the
+same thing from two ends), and with `--breakdown` where a token's time goes (CPU per process,
+the engine loop's phases; python_backends/breakdown.py).
 
 aiperf runs from its own environment, `.venv-aiperf`, which scripts/test.sh creates (see
 python_backends/aiperf.py).
 
-    python scripts/bench_sweep.py --start-server --out-dir bench-results
+    python scripts/bench_sweep.py --start-server --peer vllm --rounds 2 --breakdown
     python scripts/bench_sweep.py --peer-url http://127.0.0.1:8100 --peer-model SmolLM2
 """
 

@@ -16,6 +16,8 @@ from pathlib import Path
 
 from python_backends.config import EngineConfigError, EngineLimits, ParallelLayout
 from python_backends.engine.builder import build_engine, default_source
+from python_backends.engine.loader import DTYPES
+from python_backends.parallel.layers import packable
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parent.parent / "engines" / "smollm2"
 
@@ -36,7 +38,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pp", type=int, default=1, help="pipeline stages (at most the layers)")
     ap.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (MoE models only)")
     ap.add_argument("--force", action="store_true", help="overwrite an existing engine")
+    ap.add_argument("--target", choices=("cpu", "gpu"), default="cpu",
+                    help="where the engine will compute: a CPU engine of a 16-bit dtype is "
+                    "refused where this CPU has no instructions for it (it would be slower "
+                    "than float32)")
     args = ap.parse_args(argv)
+    if args.target == "cpu" and not packable(DTYPES[args.dtype]):
+        print(f"[build_engine] error: this CPU has no {args.dtype} instructions (bfloat16: "
+              "avx512_bf16 or AMX; float16: avx512_fp16 or AMX-FP16), so a CPU engine in "
+              f"{args.dtype} would compute slower than in float32: build float32, or pass "
+              "--target gpu for a GPU engine", file=sys.stderr)
+        return 2
     try:
         limits = EngineLimits(
             max_seq_len=args.max_seq_len,

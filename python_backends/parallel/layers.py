@@ -18,11 +18,15 @@ from python_backends.parallel.context import ParallelContext
 
 def packable(dtype: torch.dtype) -> bool:
     """Whether oneDNN computes CPU projections of `dtype` from packed weights: float32 always,
-    bfloat16 where the CPU has bf16 instructions (avx512_bf16 or AMX; elsewhere oneDNN would
-    emulate them, slower than float32)."""
+    bfloat16 and float16 where the CPU has instructions for them (avx512_bf16 or AMX;
+    avx512_fp16 or AMX-FP16). Elsewhere oneDNN would emulate them, slower than float32."""
     if dtype == torch.float32:
         return True
-    return dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if dtype == torch.float16:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return False
 
 
 class Linear(nn.Linear):

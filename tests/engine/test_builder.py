@@ -6,9 +6,14 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from python_backends.config import EngineConfig, EngineConfigError, EngineLimits
 from python_backends.engine.builder import build_engine
+from python_backends.engine.llm_engine import LLMEngine
+from python_backends.parallel.layers import Linear, packable
+from python_backends.params import SamplingParams
+from scripts import build_engine as build_script
 from tests.conftest import TinyModel
 
 
@@ -48,3 +53,33 @@ def test_load_refuses_missing_or_stale_engines(tiny_llama: TinyModel, tmp_path: 
     (tmp_path / "config.json").write_text(json.dumps(d))
     with pytest.raises(EngineConfigError, match="rebuild"):
         EngineConfig.load(tmp_path)
+
+
+@pytest.mark.skipif(not packable(torch.bfloat16), reason="this CPU has no bf16 instructions")
+def test_a_bfloat16_engine_packs_its_projections_and_serves(tiny_llama: TinyModel,
+                                                           tmp_path: Path) -> None:
+    """bfloat16 computes on oneDNN's packed weights, attention in float32 (models.attention),
+    and its greedy output stays close to float32's: the tiny model's first tokens agree."""
+    ckpt = tmp_path / "ckpt"
+    tiny_llama.hf.save_pretrained(ckpt)
+    out = tmp_path / "engine-bf16"
+    build_engine(ckpt, out, EngineLimits(max_seq_len=128, max_num_seqs=4,
+                                         max_num_batched_tokens=64, block_size=8), "bfloat16")
+    engine = LLMEngine.from_engine_dir(out, num_kv_blocks=32)
+    linears = [m for m in engine.runner.model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.packed is not None and m.packed.dtype == torch.bfloat16
+                           for m in linears)
+    prompt = [5, 9, 2, 7, 11, 3]
+    seq = engine.add_request("a", prompt, SamplingParams(max_tokens=4, end_ids=()))
+    while engine.has_unfinished:
+        engine.step()
+    assert seq.output_ids[:2] == tiny_llama.greedy(prompt, 2)
+
+
+def test_build_refuses_a_cpu_dtype_the_cpu_cannot_compute(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(build_script, "packable", lambda dtype: dtype == torch.float32)
+    assert build_script.main(["--dtype", "bfloat16", "--output", str(tmp_path / "e")]) == 2
+    assert "no bfloat16 instructions" in capsys.readouterr().err
+    assert not (tmp_path / "e").exists()
