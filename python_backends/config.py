@@ -37,6 +37,9 @@ CONFIG_FILE = "config.json"
 SUPPORTED_ARCHITECTURES = ("llama", "mixtral")  # dense, and mixture-of-experts MLPs
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # by torch dtype name
 SUPPORTED_DTYPES = tuple(DTYPE_BYTES)
+# How projections keep their weights: "" as the engine's dtype; "int8": quantized to int8 at load
+# (one scale per output feature, activations quantized per call), CPU only, float32 engines.
+SUPPORTED_WEIGHTS = ("", "int8")
 
 
 class EngineConfigError(ValueError):
@@ -188,12 +191,18 @@ class EngineConfig:
     parallel: ParallelLayout = field(default_factory=ParallelLayout)
     source: str = ""
     format_version: int = FORMAT_VERSION
+    weights: str = ""  # SUPPORTED_WEIGHTS
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise EngineConfigError(f"unsupported architecture {self.architecture!r}")
         if self.dtype not in SUPPORTED_DTYPES:
             raise EngineConfigError(f"unsupported dtype {self.dtype!r}")
+        if self.weights not in SUPPORTED_WEIGHTS:
+            raise EngineConfigError(f"unsupported weights {self.weights!r}")
+        if self.weights == "int8" and self.dtype != "float32":
+            raise EngineConfigError("int8 weights need a float32 engine (its activations and "
+                                    f"KV cache), not {self.dtype}")
         self.parallel.check(self.model)
         if self.limits.max_seq_len > self.model.max_position_embeddings:
             raise EngineConfigError(
@@ -232,4 +241,5 @@ class EngineConfig:
             tokenizer=TokenizerInfo(**tok),
             parallel=ParallelLayout(**d.get("parallel", {})),
             source=d.get("source", ""),
+            weights=d.get("weights", ""),
         )

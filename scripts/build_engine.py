@@ -17,7 +17,7 @@ from pathlib import Path
 from python_backends.config import EngineConfigError, EngineLimits, ParallelLayout
 from python_backends.engine.builder import build_engine, default_source
 from python_backends.engine.loader import DTYPES
-from python_backends.parallel.layers import packable
+from python_backends.parallel.layers import int8_supported, packable
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parent.parent / "engines" / "smollm2"
 
@@ -38,6 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pp", type=int, default=1, help="pipeline stages (at most the layers)")
     ap.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (MoE models only)")
     ap.add_argument("--force", action="store_true", help="overwrite an existing engine")
+    ap.add_argument("--weights", choices=("int8",), default="",
+                    help="int8: projections quantized to int8 at load, one scale per output "
+                    "feature, activations quantized per call (float32 engines on CPUs with "
+                    "VNNI; docs/engines.md, \"Data types\")")
     ap.add_argument("--target", choices=("cpu", "gpu"), default="cpu",
                     help="where the engine will compute: a CPU engine of a 16-bit dtype is "
                     "refused where this CPU has no instructions for it (it would be slower "
@@ -49,6 +53,13 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.dtype} would compute slower than in float32: build float32, or pass "
               "--target gpu for a GPU engine", file=sys.stderr)
         return 2
+    if args.weights == "int8" and args.target == "gpu":
+        print("[build_engine] error: int8 weights compute on the CPU only", file=sys.stderr)
+        return 2
+    if args.weights == "int8" and (problem := int8_supported()):
+        print(f"[build_engine] error: int8 weights would compute slowly here: {problem}",
+              file=sys.stderr)
+        return 2
     try:
         limits = EngineLimits(
             max_seq_len=args.max_seq_len,
@@ -59,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         parallel = ParallelLayout(tp=args.tp, pp=args.pp, ep=args.ep)
         source = args.source or default_source()
         build_engine(source, args.output, limits, args.dtype, args.force,
-                     log=lambda m: print(f"[build_engine] {m}", flush=True), parallel=parallel)
+                     log=lambda m: print(f"[build_engine] {m}", flush=True), parallel=parallel,
+                     weights=args.weights)
     except EngineConfigError as e:
         print(f"[build_engine] error: {e}", file=sys.stderr)
         return 2

@@ -62,7 +62,13 @@ def load_model(
         config.model.rope_theta, config.model.rope_scaling,
     )
     model = model.to(device=ctx.device, dtype=dtype).eval()
-    model.pack_linears()
+    if config.weights == "int8":
+        if ctx.device.type != "cpu":
+            raise EngineConfigError("int8 weights compute on the CPU only (fbgemm); build a "
+                                    "GPU engine without --weights int8")
+        model.quantize_linears()
+    else:
+        model.pack_linears()
     return model
 
 def kv_layout(config: EngineConfig, num_kv_blocks: int, rank: int = 0,

@@ -200,6 +200,14 @@ class LlamaForCausalLM(nn.Module):
             return hidden
         return self.lm_head(hidden[meta.logits_index]).float()
 
+    def quantize_linears(self) -> int:
+        """Every projection (the LM head too) to int8 weights (layers.Linear.quantize_int8);
+        returns how many."""
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        for m in linears:
+            m.quantize_int8()
+        return len(linears)
+
     def pack_linears(self) -> int:
         """Pre-pack every projection for oneDNN (CPU; float32, bfloat16 where the CPU has bf16
         instructions: layers.packable); returns how many were packed."""

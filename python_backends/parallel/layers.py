@@ -9,11 +9,28 @@ engine builder). With tp = 1 every layer is its plain single-device counterpart.
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from python_backends.parallel.context import ParallelContext
+
+
+def int8_supported() -> str | None:
+    """Why int8 weights cannot compute fast on this CPU, None if they can: fbgemm (torch's x86
+    quantized kernels) and integer dot-product instructions (VNNI) are needed."""
+    if "fbgemm" not in torch.backends.quantized.supported_engines:
+        return "this torch build has no fbgemm quantized kernels"
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "cannot read /proc/cpuinfo to look for VNNI"
+    if not any(f in flags for f in (" avx512_vnni", " avx_vnni", " amx_int8")):
+        return "this CPU has no VNNI (avx512_vnni, avx_vnni or amx_int8) instructions"
+    return None
 
 
 def packable(dtype: torch.dtype) -> bool:
@@ -40,6 +57,18 @@ class Linear(nn.Linear):
     """
 
     packed: torch.Tensor | None = None
+    quantized: Any = None  # int8 weights packed for fbgemm (quantize_int8)
+
+    def quantize_int8(self) -> None:
+        """Keep the weight as int8, one scale per output feature (symmetric), packed for
+        fbgemm; activations are quantized per call (dynamic quantization). A quarter of the
+        float32 weight's bytes to read per step, integer dot products (VNNI) to compute."""
+        w = self.weight.detach().float()
+        scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12).double()
+        zero_points = torch.zeros(w.shape[0], dtype=torch.long)
+        qweight = torch.quantize_per_channel(w, scales, zero_points, 0, torch.qint8)
+        self.quantized = torch.ops.quantized.linear_prepack(qweight, None)
+        self.weight = nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)
 
     def pack(self) -> bool:
         if self.weight.device.type != "cpu" or not packable(self.weight.dtype):
@@ -55,6 +84,8 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        if self.quantized is not None:
+            return torch.ops.quantized.linear_dynamic(x, self.quantized, False)
         return F.linear(x, self.weight)
 
 
