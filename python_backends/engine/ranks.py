@@ -11,22 +11,21 @@ device (engine.placement): gloo on CPU; on GPUs NCCL moves the tensors and gloo 
 messages (the step broadcast carries CPU tensors; each rank moves them to its GPU).
 
 A rank that dies is noticed before the next step (or by the failing collective) and reported as
-`RankFailure` naming the rank and its exit status; ranks die with their parent (PDEATHSIG), so
-a killed stub leaves no orphans.
+`RankFailure` naming the rank and its exit status; ranks exit when their parent process is gone
+(`_die_with_parent`), so a killed stub leaves no orphans.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import datetime
 import logging
 import os
 import shutil
-import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -299,14 +298,20 @@ def _python() -> str:
     return shutil.which("python3") or str(Path(sys.prefix) / "bin" / "python3")
 
 
-def _die_with_parent() -> None:
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-    if os.getppid() == 1:  # the parent is already gone
+def _die_with_parent(poll_s: float = 0.2) -> None:
+    """Exit within `poll_s` once the process that started this rank is gone (it was re-parented).
+    Not PR_SET_PDEATHSIG: that fires when the parent *thread* ends, and rank 0 starts its ranks
+    on a thread that ends once the engine is loaded (engine_loop.build_off_thread)."""
+    parent = os.getppid()
+    if parent == 1:  # the parent is already gone
         sys.exit(1)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def rank_main(argv: list[str] | None = None) -> int:

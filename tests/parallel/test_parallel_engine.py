@@ -4,6 +4,7 @@ process per rank) produce Hugging Face's greedy output token for token."""
 from __future__ import annotations
 
 import os
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ from safetensors.torch import load_file
 from python_backends import procfs
 from python_backends.config import EngineConfig, EngineConfigError, EngineLimits, ParallelLayout
 from python_backends.engine.builder import write_engine
+from python_backends.engine.engine_loop import build_off_thread
 from python_backends.parallel.placement import Placement
 from python_backends.params import SamplingParams
 from tests.conftest import TinyModel, make_tiny_llama, prompts
@@ -31,9 +33,10 @@ def children() -> set[int]:
 
 def check_layout(model: TinyModel, n_prompts: int = 6, n_tokens: int = 12,
                  placement: Placement | None = None) -> None:
-    """The engine's greedy output equals HF's, and no rank process outlives it."""
+    """The engine's greedy output equals HF's, and no rank process outlives it. Built as the
+    serving models build it: on a thread that ends once it is loaded (its ranks must live on)."""
     before = children()
-    engine = model.engine(placement=placement)
+    engine = build_off_thread(partial(model.engine, placement=placement))
     try:
         batch = prompts(n_prompts, seed=11, hi=30)
         batch = [[t % 250 for t in p] for p in batch]
