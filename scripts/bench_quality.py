@@ -5,7 +5,8 @@ model: greedy agreement on held-out prompts and the perplexity difference on a t
     python scripts/build_engine.py --dtype bfloat16 --output engines/smollm2-bf16
     python scripts/bench_quality.py --engine engines/smollm2-bf16
 
-Prompts are windows of `--text` (default: docs/architecture.md, a text the repository ships):
+Prompts are windows of `--text` (default: scripts/data/quality-text.txt, plain English prose
+written for this, kept unchanged so figures stay comparable):
 each engine continues every prompt greedily for `--tokens` tokens in one batch, and the script
 counts continuations identical to the reference's and the mean length of their common prefix.
 Perplexity is each engine's over the whole text, in windows of `--window` tokens. Both engines
@@ -76,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine", type=Path, required=True, help="the engine to judge")
     ap.add_argument("--reference", type=Path, default=DEFAULT_ENGINE_DIR,
                     help="the float32 engine of the same model")
-    ap.add_argument("--text", type=Path, default=PROJECT_ROOT / "docs" / "architecture.md")
+    ap.add_argument("--text", type=Path,
+                    default=PROJECT_ROOT / "scripts" / "data" / "quality-text.txt")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=32, help="greedy tokens per prompt")
@@ -92,9 +94,11 @@ def main(argv: list[str] | None = None) -> int:
                                            enable_prefix_caching=False)
         outputs = greedy(engine, prompts, args.tokens)
         ppl = perplexity(engine, ids, args.window)
-        results[name] = (outputs, ppl, engine.config.dtype)
+        kind = engine.config.dtype + (f", {engine.config.weights} weights"
+                                      if engine.config.weights else "")
+        results[name] = (outputs, ppl, kind)
         engine.close()
-        print(f"[quality] {path} ({engine.config.dtype}): perplexity {ppl:.3f} "
+        print(f"[quality] {path} ({kind}): perplexity {ppl:.3f} "
               f"({time.perf_counter() - start:.0f} s)", flush=True)
     ref, eng = results["reference"], results["engine"]
     same = sum(a == b for a, b in zip(ref[0], eng[0], strict=True))

@@ -200,13 +200,25 @@ class LlamaForCausalLM(nn.Module):
             return hidden
         return self.lm_head(hidden[meta.logits_index]).float()
 
+    # Projections that keep their float weights in an int8 engine: their inputs have outliers
+    # that one int8 scale per call cannot hold (the MLP's down projection, after SiLU x up) or
+    # their outputs are the logits. Measured on SmolLM2 (perplexity over 1024 tokens, float32
+    # 79.5): every projection in int8 120.2, all but the LM head 117.8, all but these two 84.0.
+    FLOAT_IN_INT8 = ("down_proj", "lm_head")
+
     def quantize_linears(self) -> int:
-        """Every projection (the LM head too) to int8 weights (layers.Linear.quantize_int8);
-        returns how many."""
-        linears = [m for m in self.modules() if isinstance(m, Linear)]
-        for m in linears:
-            m.quantize_int8()
-        return len(linears)
+        """Projections to int8 weights (layers.Linear.quantize_int8), but FLOAT_IN_INT8, which
+        are packed as float; returns how many were quantized."""
+        n = 0
+        for name, m in self.named_modules():
+            if not isinstance(m, Linear):
+                continue
+            if name.rsplit(".", 1)[-1] in self.FLOAT_IN_INT8:
+                m.pack()
+            else:
+                m.quantize_int8()
+                n += 1
+        return n
 
     def pack_linears(self) -> int:
         """Pre-pack every projection for oneDNN (CPU; float32, bfloat16 where the CPU has bf16
