@@ -25,9 +25,14 @@ def engine_dir_default() -> Path:
 
 API_KEY_ENV = "LLM_API_KEY"
 # A server's role: which models it loads (launcher.ROLE_MODELS). The front model of a `front`
-# server reaches engine groups on other servers only.
+# server reaches engine groups on other servers only; an `aggregated` server is a whole server
+# with the worker group alone (half the memory of `all`: no prefill and decode engines).
 ROLE_ENV = "LLM_ROLE"
-ROLES = ("all", "front", "prefill", "decode", "worker")
+ROLES = ("all", "front", "prefill", "decode", "worker", "aggregated")
+ENGINE_GROUPS = ("worker", "prefill", "decode")
+# The engine groups a role's server runs beside its front; other groups of its front, if any,
+# are on other servers (front.remote).
+FRONT_LOCAL_GROUPS = {"all": ENGINE_GROUPS, "front": (), "aggregated": ("worker",)}
 API_KEY_HEADER = "x-api-key"
 GRPC_API_KEY_HEADER = f"triton-grpc-protocol-{API_KEY_HEADER}"  # Triton's gRPC metadata name
 # The module an engine's ranks 1..N-1 run (`python -m`): how their processes are told apart.

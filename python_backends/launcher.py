@@ -24,7 +24,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from python_backends import procfs
-from python_backends.config import API_KEY_ENV, API_KEY_HEADER, GRPC_API_KEY_HEADER, ROLE_ENV, ROLES
+from python_backends.config import (
+    API_KEY_ENV,
+    API_KEY_HEADER,
+    FRONT_LOCAL_GROUPS,
+    GRPC_API_KEY_HEADER,
+    ROLE_ENV,
+    ROLES,
+)
 from python_backends.net import free_port
 from python_backends.repository import TritonRepository
 from python_backends.watchdog import StubWatchdog
@@ -44,6 +51,7 @@ ROLE_MODELS = {
     "prefill": ("kv_store", "prefill"),
     "decode": ("kv_store", "decode"),
     "worker": ("kv_store", "worker"),
+    "aggregated": ("kv_store", "preprocessing", "front", "postprocessing", "ensemble", "worker"),
 }
 assert tuple(ROLE_MODELS) == ROLES
 REMOTE_GROUP_ENVS = {group: f"LLM_{group.upper()}_SERVERS" for group in ("prefill", "decode",
@@ -131,7 +139,7 @@ class ServerOptions:
         if self.role != "all" and self.model_control != "explicit":
             raise ServerError(f"role {self.role} loads only its models: it needs "
                               "--model-control explicit")
-        if self.remote_groups and self.role not in ("all", "front"):
+        if self.remote_groups and self.role not in FRONT_LOCAL_GROUPS:
             raise ServerError(f"a {self.role} server has no front to call remote groups")
 
     def env(self) -> dict[str, str]:
@@ -400,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     except ServerError as e:
         print(f"[serve] error: {e}", file=sys.stderr, flush=True)
         return 2
-    if opts.role not in ("all", "front"):
+    if opts.role not in FRONT_LOCAL_GROUPS:  # an engine-only role
         args.gateway_port = 0  # no ensemble here for a gateway to call
     server = TritonServer(opts)
 
@@ -539,7 +547,7 @@ def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 15.0) -> None
 
 
 def _banner(o: ServerOptions, gateway_port: int) -> str:
-    if o.role not in ("all", "front"):
+    if o.role not in FRONT_LOCAL_GROUPS:
         return f"""
 [serve] ready: a {o.role} server ({', '.join(ROLE_MODELS[o.role])})
   gRPC     {o.host}:{o.grpc_port}   (give it to a front: --{o.role}-servers {o.host}:{o.grpc_port})

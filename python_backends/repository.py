@@ -16,9 +16,7 @@ import requests
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from python_backends.config import API_KEY_HEADER, GRPC_API_KEY_HEADER
-
-ENGINE_GROUPS = ("worker", "prefill", "decode")  # the models an autoscaler resizes
+from python_backends.config import API_KEY_HEADER, ENGINE_GROUPS, GRPC_API_KEY_HEADER
 
 
 def _force_reload(config: dict[str, Any], counter: str) -> None:

@@ -68,6 +68,8 @@ def test_a_role_loads_only_its_models() -> None:
     assert loaded(ServerOptions(role="prefill")) == ["kv_store", "prefill"]
     assert set(loaded(ServerOptions(role="front"))) == {"preprocessing", "front",
                                                         "postprocessing", "ensemble"}
+    assert set(loaded(ServerOptions(role="aggregated"))) == {
+        "kv_store", "preprocessing", "front", "postprocessing", "ensemble", "worker"}
 
 
 def test_roles_are_checked_and_reach_the_models_environment() -> None:
@@ -75,6 +77,7 @@ def test_roles_are_checked_and_reach_the_models_environment() -> None:
         ServerOptions(role="prefill", model_control="none")
     with pytest.raises(launcher.ServerError, match="no front to call remote groups"):
         ServerOptions(role="decode", remote_groups=(("prefill", "127.0.0.1:1"),))
+    ServerOptions(role="aggregated", remote_groups=(("prefill", "a:1"), ("decode", "b:2")))
     with pytest.raises(launcher.ServerError, match="unknown role 'router'"):
         ServerOptions(role="router")
     front = ServerOptions(role="front", api_key="k",

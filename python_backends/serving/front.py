@@ -21,7 +21,13 @@ from typing import Any
 
 import triton_python_backend_utils as pb_utils
 
-from python_backends.config import API_KEY_ENV, GRPC_API_KEY_HEADER, ROLE_ENV
+from python_backends.config import (
+    API_KEY_ENV,
+    ENGINE_GROUPS,
+    FRONT_LOCAL_GROUPS,
+    GRPC_API_KEY_HEADER,
+    ROLE_ENV,
+)
 from python_backends.diagnostics import enable_stack_dumps
 from python_backends.flag_board import BoardCache, BoardFull, FlagBoard
 from python_backends.front.admission import (
@@ -109,6 +115,20 @@ def remote_groups(margs: ModelArgs, models: list[str]) -> dict[str, RemoteGroup]
         except ValueError as e:
             raise pb_utils.TritonModelException(f"front: {model}_servers: {e}") from None
     return groups
+
+
+def served_groups(role: str, models: tuple[str, str, str],
+                  remote: set[str]) -> tuple[str, str, str]:
+    """The worker, prefill and decode models this front sends work to, "" for a group it has
+    not: a group is served when the server's role runs it here (config.FRONT_LOCAL_GROUPS) or
+    other servers serve it (`remote`)."""
+    local = FRONT_LOCAL_GROUPS.get(role, ENGINE_GROUPS)
+    worker, prefill, decode = (m if m and (group in local or m in remote) else ""
+                               for group, m in zip(ENGINE_GROUPS, models, strict=True))
+    if not (worker or prefill):
+        raise ValueError(f"a {role} server has no engine group to send work to: set "
+                         "LLM_WORKER_SERVERS, or LLM_PREFILL_SERVERS and LLM_DECODE_SERVERS")
+    return worker, prefill, decode
 
 
 class ClientLink:
@@ -200,14 +220,12 @@ class FrontModel:
         self.decode_model = margs.param("decode_model")
         self.remote = remote_groups(
             margs, [self.worker_model, self.prefill_model, self.decode_model])
-        if os.environ.get(ROLE_ENV) == "front":  # no engine here: remote groups only
-            self.worker_model, self.prefill_model, self.decode_model = (
-                m if m in self.remote else ""
-                for m in (self.worker_model, self.prefill_model, self.decode_model))
-            if not (self.worker_model or self.prefill_model):
-                raise pb_utils.TritonModelException(
-                    "front: a front-only server needs remote engine groups: set "
-                    "LLM_WORKER_SERVERS, or LLM_PREFILL_SERVERS and LLM_DECODE_SERVERS")
+        try:
+            self.worker_model, self.prefill_model, self.decode_model = served_groups(
+                os.environ.get(ROLE_ENV, "all"),
+                (self.worker_model, self.prefill_model, self.decode_model), set(self.remote))
+        except ValueError as e:
+            raise pb_utils.TritonModelException(f"front: {e}") from None
         if bool(self.prefill_model) != bool(self.decode_model):
             raise pb_utils.TritonModelException(
                 "front: set both prefill_model and decode_model, or neither"

@@ -1,7 +1,8 @@
-"""ClientLink: exactly one final flag per request, and a failure after a stream's first chunk
-ends the stream as data (finish_reason "error"), never as a Triton error, which the 2.51
-ensemble would leave in flight. pb_utils is faked at the edge: responses are recorded as the
-tensors or the error they carry."""
+"""The front model's parts that need no server. ClientLink: exactly one final flag per request,
+and a failure after a stream's first chunk ends the stream as data (finish_reason "error"),
+never as a Triton error, which the 2.51 ensemble would leave in flight. served_groups: the
+engine groups a front sends work to, by its server's role. pb_utils is faked at the edge:
+responses are recorded as the tensors or the error they carry."""
 
 from __future__ import annotations
 
@@ -134,3 +135,22 @@ def test_triton_error_codes_map_to_engine_error_kinds_and_back(front: types.Modu
     for code in (FakeError.INVALID_ARG, FakeError.UNAVAILABLE, FakeError.INTERNAL):
         assert front.error_code(front.error_kind(code)) == code
     assert front.error_kind("NOT_FOUND") == "internal"
+
+
+MODELS = ("worker", "prefill", "decode")
+
+
+def test_a_front_serves_the_groups_its_role_runs_or_other_servers_serve(
+    front: types.ModuleType,
+) -> None:
+    served = front.served_groups
+    assert served("all", MODELS, set()) == MODELS
+    assert served("all", ("worker", "", ""), set()) == ("worker", "", "")  # config turned off
+    assert served("aggregated", MODELS, set()) == ("worker", "", "")
+    assert served("aggregated", MODELS, {"prefill", "decode"}) == MODELS
+    assert served("front", MODELS, {"worker"}) == ("worker", "", "")
+    assert served("front", MODELS, {"prefill", "decode"}) == ("", "prefill", "decode")
+    with pytest.raises(ValueError, match="a front server has no engine group"):
+        served("front", MODELS, set())
+    with pytest.raises(ValueError, match="LLM_WORKER_SERVERS"):
+        served("aggregated", ("", "prefill", "decode"), set())
