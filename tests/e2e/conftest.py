@@ -81,12 +81,17 @@ class Server:
 
     def wait_idle(self, timeout: float = 20.0) -> float:
         """Wait until no KV block is in use; returns the last reading."""
-        deadline = time.monotonic() + timeout
-        used = self.kv_blocks_used()
-        while used and time.monotonic() < deadline:
-            time.sleep(0.2)
-            used = self.kv_blocks_used()
-        return used
+        return wait_no_kv_blocks([self.options.metrics_url], timeout)
+
+
+def wait_no_kv_blocks(metrics_urls: list[str], timeout: float = 20.0) -> float:
+    """Wait until the servers behind `metrics_urls` hold no KV block; returns the last count."""
+    deadline = time.monotonic() + timeout
+    while True:
+        used = sum(metric_sum(scrape(url), "llm_kv_cache_blocks_used") for url in metrics_urls)
+        if not used or time.monotonic() > deadline:
+            return used
+        time.sleep(0.2)
 
 
 def compact_stacks(dump: str, keep: int = 4) -> list[str]:

@@ -26,7 +26,14 @@ import requests
 from python_backends.client import GenerateError, LLMClient, as_list, metric_sum, scrape
 from python_backends.cluster import Cluster, ClusterPlan
 from python_backends.launcher import TritonServer, free_port
-from tests.e2e.conftest import ENGINE_DIR, MAX_TOKENS, PROMPTS, Reference, hf_greedy
+from tests.e2e.conftest import (
+    ENGINE_DIR,
+    MAX_TOKENS,
+    PROMPTS,
+    Reference,
+    hf_greedy,
+    wait_no_kv_blocks,
+)
 
 pytestmark = pytest.mark.e2e
 DISAGGREGATED = {"route": "disaggregated", "exclude_input_in_output": True}
@@ -66,12 +73,7 @@ def _metric(server: TritonServer, name: str, **labels: str) -> float:
 def _wait_no_blocks(servers: list[TritonServer], timeout_s: float = 40.0) -> float:
     """KV blocks still used on `servers` once they are idle (a lease from a dead server's
     handoff is held until its deadline, 30 s)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        used = sum(_metric(s, "llm_kv_cache_blocks_used") for s in servers)
-        if not used or time.monotonic() > deadline:
-            return used
-        time.sleep(0.5)
+    return wait_no_kv_blocks([s.options.metrics_url for s in servers], timeout_s)
 
 
 def _kill(server: TritonServer) -> None:

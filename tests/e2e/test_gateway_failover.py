@@ -1,8 +1,9 @@
-"""Two Triton servers behind one gateway, as two regions (eu: the session's server, us: one of
-this module's own): a tenant pinned to eu is never served in us; us as a canary gets its share
-of users; and when the us server dies with streams in flight every stream goes on on the other
-server (the prompt and the tokens so far) with output identical to Hugging Face's, while new
-traffic goes to the server left."""
+"""Three Triton servers behind one gateway, as two regions (eu: the session's server; us: two
+of this module's own, role `aggregated`, the whole pipeline with the worker engine alone): a
+tenant pinned to eu is never served in us; a us server as a canary gets its share of users; and
+when a us server dies with streams in flight every stream goes on on another server (the prompt
+and the tokens so far) with output identical to Hugging Face's, while new traffic from us goes
+to the us server left."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 import requests
@@ -27,42 +29,53 @@ from tests.e2e.conftest import (
     hf_greedy,
     start_gateway,
     stop_gateway,
+    wait_no_kv_blocks,
 )
 from tests.e2e.test_gateway import MODEL
 
 pytestmark = pytest.mark.e2e
 KEY, PINNED_KEY = "sk-any", "sk-eu-bank"
+US = {"x-region": "us"}  # the client's region (latency-aware routing)
 STREAMS = [f"Story {i}: once upon a time, in a village by the sea," for i in range(8)]
 LONG = 48
 USERS = 1000
 
 
 @pytest.fixture(scope="module")
-def us_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
-    log = tmp_path_factory.mktemp("us") / "server.log"
-    triton = TritonServer(ServerOptions(
+def us_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[TritonServer]]:
+    """us-1 and us-2, started together."""
+    servers = [TritonServer(ServerOptions(
         http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-        engine_dir=ENGINE_DIR, log_file=log, exit_timeout_s=5))
-    triton.start()
+        engine_dir=ENGINE_DIR, log_file=tmp_path_factory.mktemp(f"us-{i}") / "server.log",
+        exit_timeout_s=5, role="aggregated")) for i in (1, 2)]
     try:
-        triton.wait_ready(timeout_s=600)
-        yield triton
+        for triton in servers:
+            triton.start()
+        for triton in servers:
+            triton.wait_ready(timeout_s=600)
+        yield servers
     finally:
-        triton.stop()
+        for triton in servers:
+            triton.stop()
+
+
+def _backends(server: Server, us_servers: list[TritonServer],
+              canary: str = "") -> list[dict[str, Any]]:
+    named = [("eu-1", "eu", server.options)] + [
+        (f"us-{i}", "us", t.options) for i, t in enumerate(us_servers, 1)]
+    return [{"name": name, "grpc": o.grpc_address, "metrics": o.metrics_url, "region": region,
+             "canary": name == canary} for name, region, o in named]
 
 
 @pytest.fixture(scope="module")
-def gateway(server: Server, us_server: TritonServer,
+def gateway(server: Server, us_servers: list[TritonServer],
             tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    eu, us = server.options, us_server.options
-    gw = start_gateway(tmp_path_factory.mktemp("gateway2"), {
+    gw = start_gateway(tmp_path_factory.mktemp("gateway3"), {
         "model": MODEL, "engine_dir": str(ENGINE_DIR), "health_interval_s": 0.5,
-        "backends": [{"name": "eu-1", "grpc": f"127.0.0.1:{eu.grpc_port}",
-                      "metrics": eu.metrics_url, "region": "eu"},
-                     {"name": "us-1", "grpc": f"127.0.0.1:{us.grpc_port}",
-                      "metrics": us.metrics_url, "region": "us"}],
+        "backends": _backends(server, us_servers),
         "api_keys": {KEY: "anyone", PINNED_KEY: "eu-bank"},
-        "routing": {"residency": {"eu-bank": ["eu"]}},
+        # a client's own region first, while its servers answer within 30 s
+        "routing": {"residency": {"eu-bank": ["eu"]}, "latency_bound_s": 30},
     })
     yield gw
     stop_gateway(gw)
@@ -73,16 +86,12 @@ def long_reference() -> Reference:
     return hf_greedy(STREAMS, LONG)
 
 
-def test_a_canary_gets_its_share_of_users(server: Server, us_server: TritonServer,
+def test_a_canary_gets_its_share_of_users(server: Server, us_servers: list[TritonServer],
                                           tmp_path: Path) -> None:
-    """us-1 as a 10% canary: 1000 users, one request each, through a gateway of its own."""
-    eu, us = server.options, us_server.options
+    """us-2 as a 10% canary: 1000 users, one request each, through a gateway of its own."""
     gw = start_gateway(tmp_path, {
         "model": MODEL, "engine_dir": str(ENGINE_DIR),
-        "backends": [{"name": "eu-1", "grpc": f"127.0.0.1:{eu.grpc_port}",
-                      "metrics": eu.metrics_url, "region": "eu"},
-                     {"name": "us-1", "grpc": f"127.0.0.1:{us.grpc_port}",
-                      "metrics": us.metrics_url, "region": "us", "canary": True}],
+        "backends": _backends(server, us_servers, canary="us-2"),
         "routing": {"canary_fraction": 0.1}})
     try:
         def one(i: int) -> int:
@@ -93,8 +102,8 @@ def test_a_canary_gets_its_share_of_users(server: Server, us_server: TritonServe
         with ThreadPoolExecutor(16) as pool:
             statuses = list(pool.map(one, range(USERS)))
         assert statuses == [200] * USERS
-        on_canary = _served(gw, "us-1")
-        assert on_canary + _served(gw, "eu-1") == USERS
+        on_canary = _served(gw, "us-2")
+        assert on_canary + _served(gw, "eu-1") + _served(gw, "us-1") == USERS
         print(f"canary share: {on_canary / USERS:.1%} of {USERS} users")
         assert 0.07 * USERS <= on_canary <= 0.13 * USERS
     finally:
@@ -112,30 +121,34 @@ def _finished(metrics_url: str) -> float:
 
 
 def test_a_pinned_tenant_is_never_served_outside_its_region(
-    gateway: Gateway, server: Server, us_server: TritonServer,
+    gateway: Gateway, server: Server, us_servers: list[TritonServer],
 ) -> None:
-    us_before = _finished(us_server.options.metrics_url)
+    us_urls = [t.options.metrics_url for t in us_servers]
+    us_before = [_finished(url) for url in us_urls]
     eu_before = _finished(server.options.metrics_url)
-    client = gateway.openai(PINNED_KEY)
+    pinned = gateway.openai(PINNED_KEY).with_options(default_headers=US)  # a client in us
     for i in range(6):
-        client.completions.create(model=MODEL, prompt=f"Fact {i}:", max_tokens=2)
-    assert _finished(us_server.options.metrics_url) == us_before  # never in us
+        pinned.completions.create(model=MODEL, prompt=f"Fact {i}:", max_tokens=2)
+    assert [_finished(url) for url in us_urls] == us_before  # never in us
     assert _finished(server.options.metrics_url) == eu_before + 6
-    # other tenants are spread over both regions
-    anyone = gateway.openai(KEY)
+    # other tenants in us are served there, by both us servers
+    anyone = gateway.openai(KEY).with_options(default_headers=US)
     threads = [threading.Thread(target=lambda i=i: anyone.completions.create(
         model=MODEL, prompt=f"Tale {i}:", max_tokens=8)) for i in range(6)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(120)
-    assert _finished(us_server.options.metrics_url) > us_before
+    us_after = [_finished(url) for url in us_urls]
+    assert all(a > b for a, b in zip(us_after, us_before, strict=True)), (us_before, us_after)
+    assert sum(us_after) - sum(us_before) == 6
+    assert _finished(server.options.metrics_url) == eu_before + 6
 
 
 def test_streams_survive_their_server_dying(gateway: Gateway, server: Server,
-                                            us_server: TritonServer,
+                                            us_servers: list[TritonServer],
                                             long_reference: Reference) -> None:
-    client = gateway.openai(KEY)
+    client = gateway.openai(KEY).with_options(default_headers=US)
     texts = ["" for _ in STREAMS]
     started = [threading.Event() for _ in STREAMS]
     errors: list[BaseException] = []
@@ -155,23 +168,28 @@ def test_streams_survive_their_server_dying(gateway: Gateway, server: Server,
     for t in threads:
         t.start()
     assert all(e.wait(120) for e in started)
-    on_us = metric_sum(gateway.metrics(), "gateway_backend_in_flight", backend="us-1")
-    assert us_server.process is not None
-    os.kill(us_server.process.pid, signal.SIGKILL)  # the whole server, with its streams
+    in_flight = {name: metric_sum(gateway.metrics(), "gateway_backend_in_flight", backend=name)
+                 for name in ("eu-1", "us-1", "us-2")}
+    assert in_flight["eu-1"] == 0 and in_flight["us-1"] > 0, in_flight  # us clients, us servers
+    victim, survivor = us_servers
+    assert victim.process is not None
+    os.kill(victim.process.pid, signal.SIGKILL)  # the whole server, with its streams
     for t in threads:
         t.join(180)
     assert not errors, errors
     for i, prompt in enumerate(STREAMS):
         assert texts[i] == long_reference.text(prompt), i
-    moved = metric_sum(gateway.metrics(), "gateway_migrations_total", backend="eu-1")
-    assert 0 < moved <= on_us  # (a stream may have finished before the kill)
-    # new traffic goes to the server left
+    moved = sum(metric_sum(gateway.metrics(), "gateway_migrations_total", backend=name)
+                for name in ("eu-1", "us-2"))
+    assert 0 < moved <= in_flight["us-1"]  # (a stream may have finished before the kill)
+    print(f"streams open per server at the kill: {in_flight}; {moved:.0f} moved")
+    # new traffic from us goes to the us server left
     deadline = time.monotonic() + 10
     while metric_sum(gateway.metrics(), "gateway_backend_healthy", backend="us-1"):
         assert time.monotonic() < deadline, "the dead server stayed in rotation"
         time.sleep(0.2)
-    before = _served(gateway, "eu-1")
+    before = _served(gateway, "us-2")
     for _ in range(3):
         client.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
-    assert _served(gateway, "eu-1") == before + 3
-    assert server.wait_idle(timeout=20) == 0
+    assert _served(gateway, "us-2") == before + 3
+    assert wait_no_kv_blocks([server.options.metrics_url, survivor.options.metrics_url]) == 0
