@@ -19,6 +19,7 @@ from typing import Any
 
 from python_backends.config import engine_dir_default
 from python_backends.front.admission import RateLimit, parse_rate_limits
+from python_backends.gateway.routing import DEFAULT_OVERLAP_WEIGHT
 
 DEFAULT_PORT = 9000
 
@@ -52,7 +53,7 @@ class RoutingConfig:
 
     policy: str = "least_loaded"  # or "prefix_aware"
     prefix_block_tokens: int = 16  # the prefix index's block (the engines' KV block size)
-    overlap_weight: float = 1.0  # prefix_aware: a block to compute against a block held
+    overlap_weight: float = DEFAULT_OVERLAP_WEIGHT  # prefix_aware: a block to compute / one held
     latency_bound_s: float | None = None  # prefer the client's region while TTFT p95 <= this
     canary_fraction: float = 0.0  # users sent to the canary servers first
     residency: dict[str, tuple[str, ...]] = field(default_factory=dict)  # tenant -> regions
