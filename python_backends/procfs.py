@@ -12,6 +12,20 @@ PROC = Path("/proc")
 
 
 @dataclass(frozen=True)
+class Memory:
+    """A process's resident memory in bytes: private (heap, stacks), file-backed (code,
+    mapped files), and shared memory (/dev/shm segments it has touched)."""
+
+    anon: int
+    file: int
+    shmem: int
+
+    @property
+    def rss(self) -> int:
+        return self.anon + self.file + self.shmem
+
+
+@dataclass(frozen=True)
 class Process:
     pid: int
     state: str  # R, S, D, Z (zombie: exited, not yet reaped), ...
@@ -32,13 +46,21 @@ class Process:
             return None
         return raw.decode(errors="replace").split("\0")[:-1]
 
-    def rss_bytes(self) -> int:
-        """Resident memory (0 if the process is gone)."""
+    def memory(self) -> Memory | None:
+        """Resident memory by kind, None if the process is gone."""
         try:
-            pages = int((PROC / str(self.pid) / "statm").read_text().split()[1])
-        except (OSError, IndexError, ValueError):
-            return 0
-        return pages * os.sysconf("SC_PAGE_SIZE")
+            status = (PROC / str(self.pid) / "status").read_text()
+        except OSError:
+            return None
+        kib = {}
+        for line in status.splitlines():
+            key, _, value = line.partition(":")
+            if key in ("RssAnon", "RssFile", "RssShmem"):
+                kib[key] = int(value.split()[0])
+        if len(kib) < 3:
+            return None  # a zombie has no memory lines
+        return Memory(anon=kib["RssAnon"] * 1024, file=kib["RssFile"] * 1024,
+                      shmem=kib["RssShmem"] * 1024)
 
     def catches(self, signum: int) -> bool:
         """Whether the process has a handler for `signum` (False if it is gone): sending it a

@@ -353,34 +353,49 @@ REQUESTS: dict[str, Callable[[Soak, LLMClient, random.Random], tuple[Outcome, st
 
 class MemoryWatch:
     """Resident memory of the server's processes: each one's size `warmup_s` after it was first
-    seen (its baseline), and its latest."""
+    seen (its baseline), and its latest; split into private memory and the shared memory it
+    touched (a Python stub's and tritonserver's message arenas in /dev/shm grow to the busiest
+    moment's need and stay that size). A process gone by the last sample (a fault killed it)
+    is reported as exited, with its last size."""
 
     def __init__(self, warmup_s: float) -> None:
         self.warmup_s = warmup_s
         self._seen: dict[int, tuple[str, float]] = {}  # pid -> (name, first seen)
-        self._baseline: dict[int, int] = {}
-        self._latest: dict[int, int] = {}
+        self._baseline: dict[int, procfs.Memory] = {}
+        self._latest: dict[int, procfs.Memory] = {}
+        self._alive: set[int] = set()  # in the last sample
 
     def sample(self, server_pid: int) -> None:
         now = time.monotonic()
         server = procfs.process(server_pid)
+        self._alive = set()
         for proc in [*([server] if server else []), *procfs.running_descendants(server_pid)]:
-            _, since = self._seen.setdefault(proc.pid, (_name(proc), now))
-            rss = proc.rss_bytes()
-            if rss:
-                self._latest[proc.pid] = rss
-                if now - since >= self.warmup_s:
-                    self._baseline.setdefault(proc.pid, rss)
+            # named anew each time: a stub is first seen as the shell Triton starts it with
+            since = self._seen.get(proc.pid, ("", now))[1]
+            self._seen[proc.pid] = (_name(proc), since)
+            memory = proc.memory()
+            if memory is None:
+                continue
+            self._alive.add(proc.pid)
+            self._latest[proc.pid] = memory
+            if now - since >= self.warmup_s:
+                self._baseline.setdefault(proc.pid, memory)
 
     def report(self) -> list[dict[str, Any]]:
         rows = []
         for pid, base in self._baseline.items():
             latest = self._latest.get(pid, base)
             rows.append({"process": self._seen[pid][0], "pid": pid,
-                         "after_warmup_mb": round(base / 2**20, 1),
-                         "at_end_mb": round(latest / 2**20, 1),
-                         "growth_pct": round(100.0 * (latest - base) / base, 1)})
-        return sorted(rows, key=lambda r: str(r["process"]))
+                         "after_warmup_mb": _mib(base.rss), "at_end_mb": _mib(latest.rss),
+                         "growth_pct": round(100.0 * (latest.rss - base.rss) / base.rss, 1),
+                         "private_growth_mb": _mib(latest.anon - base.anon),
+                         "shared_growth_mb": _mib(latest.shmem - base.shmem),
+                         "exited": pid not in self._alive})
+        return sorted(rows, key=lambda r: (bool(r["exited"]), str(r["process"])))
+
+
+def _mib(n: int) -> float:
+    return round(n / 2**20, 1)
 
 
 def _name(proc: procfs.Process) -> str:
@@ -405,10 +420,12 @@ def print_report(report: dict[str, Any]) -> None:
     print("fault schedule:")
     for f in report["faults"]:
         print(f"  {f['at_s']:>7.1f} s  {f['fault']:<8} {f['what']}")
-    print("resident memory (after warm-up -> at end):")
+    print("resident memory (after warm-up -> at end; growth: private, shared memory):")
     for row in report["memory"]:
-        print(f"  {row['process']:<16} {row['after_warmup_mb']:>8.1f} -> "
-              f"{row['at_end_mb']:>8.1f} MiB ({row['growth_pct']:+.1f}%)")
+        print(f"  {row['process']:<18} {row['after_warmup_mb']:>8.1f} -> "
+              f"{row['at_end_mb']:>8.1f} MiB ({row['growth_pct']:+6.1f}%; "
+              f"{row['private_growth_mb']:+.1f}, {row['shared_growth_mb']:+.1f} MiB)"
+              + ("  exited" if row["exited"] else ""))
     for outcome, shown in report["examples"].items():
         print(f"examples of {outcome}:", *shown, sep="\n  ")
     print("OK" if report["ok"] else "FAILED", flush=True)

@@ -102,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
                       *log.read_text(errors="replace").splitlines()[-80:], sep="\n  ",
                       flush=True)
     if args.max_memory_growth is not None:
-        grown = [r for r in report["memory"] if r["growth_pct"] > args.max_memory_growth]
+        grown = [r for r in report["memory"]
+                 if r["growth_pct"] > args.max_memory_growth and not r["exited"]]
         report["memory_ok"] = not grown
         report["ok"] = report["ok"] and not grown
     print_report(report)

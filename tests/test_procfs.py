@@ -72,5 +72,27 @@ def test_descendants_and_signal_handlers() -> None:
 
 def test_resident_memory_of_this_process() -> None:
     me = procfs.process(os.getpid())
-    assert me is not None and 10 << 20 < me.rss_bytes() < 64 << 30
-    assert procfs.Process(2**22 + 7, "Z", 1, 1).rss_bytes() == 0  # gone
+    memory = me.memory() if me is not None else None
+    assert memory is not None and 10 << 20 < memory.rss < 64 << 30
+    assert memory.anon > 0 and memory.file > 0
+    assert procfs.Process(2**22 + 7, "Z", 1, 1).memory() is None  # gone
+
+
+def test_shared_memory_a_process_touches_is_counted_apart() -> None:
+    from multiprocessing import shared_memory
+
+    me = procfs.process(os.getpid())
+    assert me is not None
+    before = me.memory()
+    segment = shared_memory.SharedMemory(create=True, size=16 << 20)
+    try:
+        buf = segment.buf
+        assert buf is not None
+        buf[:] = b"x" * (16 << 20)  # touch every page
+        after = me.memory()
+        assert before is not None and after is not None
+        assert after.shmem - before.shmem >= 16 << 20
+        assert after.anon - before.anon < 16 << 20  # (the bytes object written is private)
+    finally:
+        segment.close()
+        segment.unlink()

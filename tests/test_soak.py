@@ -1,10 +1,13 @@
-"""The soak's bookkeeping: outcomes by kind, and a lost request told from a hung one."""
+"""The soak's bookkeeping: outcomes by kind, a lost request told from a hung one, and the
+server processes' memory."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import time
 
-from python_backends.soak import FaultLog, Outcome, Tally
+from python_backends.soak import FaultLog, MemoryWatch, Outcome, Tally
 
 
 def test_a_request_in_flight_when_the_front_died_is_lost_not_hung() -> None:
@@ -27,3 +30,21 @@ def test_tally_counts_by_outcome_and_kind_and_keeps_a_few_examples() -> None:
     assert tally.counts == {"mismatched": 7, "completed": 1}
     assert tally.by_kind["stream/mismatched"] == 7
     assert tally.examples == {"mismatched": [f"stream: case {i}" for i in range(5)]}
+
+
+def test_memory_is_reported_per_process_and_a_process_gone_is_marked_exited() -> None:
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        watch = MemoryWatch(warmup_s=0.0)
+        watch.sample(os.getpid())  # this process plays the server, the child its stub
+        child.kill()
+        child.wait()
+        watch.sample(os.getpid())
+    finally:
+        child.kill()
+    rows = {r["pid"]: r for r in watch.report()}
+    assert not rows[os.getpid()]["exited"] and rows[child.pid]["exited"]
+    me = rows[os.getpid()]
+    assert me["after_warmup_mb"] > 10 and {"private_growth_mb", "shared_growth_mb"} <= set(me)
+    exited = [r["exited"] for r in watch.report()]
+    assert exited == sorted(exited)  # the exited ones last
