@@ -29,6 +29,9 @@ from python_backends.params import SamplingParams
 
 DEFAULT_TENANT = "default"
 FINISH_ERROR = "error"  # the finish_reason of a stream that failed after its first chunk
+# The front's start time on a server's metrics port: when it changes, the requests the previous
+# front held are lost (the gateway watches it).
+FRONT_START_METRIC = "llm_front_start_time_seconds"
 
 
 class Kind(enum.Enum):

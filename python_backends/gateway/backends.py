@@ -19,6 +19,8 @@ from python_backends.client import Metrics, histogram_quantile, metric_sum, pars
 from python_backends.config import GRPC_API_KEY_HEADER
 from python_backends.gateway.config import BackendConfig, GatewayConfig
 from python_backends.gateway.routing import ServerView
+from python_backends.gateway.triton import Breaker
+from python_backends.wire import FRONT_START_METRIC
 
 log = logging.getLogger(__name__)
 TTFT_WINDOW_S = 60.0  # latency-aware routing reads each server's TTFT p95 over this window
@@ -35,6 +37,8 @@ class Backend:
         self.last_answer = 0.0  # monotonic time of its last successful health check
         self.metrics: Metrics = {}
         self.in_flight = 0
+        self.breaker = Breaker()  # its open streams, ended when it loses them
+        self.front_started: float | None = None  # its front's start (FRONT_START_METRIC)
         self._history: deque[tuple[float, Metrics]] = deque()  # scrapes of the TTFT window
 
     def ttft_p95(self) -> float | None:
@@ -61,8 +65,11 @@ class Backend:
     def connect(self) -> None:
         self.client = grpcclient.InferenceServerClient(self.config.grpc)
 
-    async def check(self, session: aiohttp.ClientSession, timeout_s: float) -> None:
-        """Read readiness and metrics once; a failure leaves the server's last answer as is."""
+    async def check(self, session: aiohttp.ClientSession, timeout_s: float,
+                    unhealthy_after_s: float) -> None:
+        """Read readiness and metrics once; a failure leaves the server's last answer as is.
+        Streams the server has lost are broken: all of them once it has not answered for
+        `unhealthy_after_s`, those opened before its front restarted when it has."""
         try:
             ready = await self.client.is_server_ready(headers=self.headers,
                                                       client_timeout=timeout_s)
@@ -73,6 +80,11 @@ class Backend:
             if self.ready:
                 log.warning("backend %s stopped answering: %s", self.name, e)
             self.ready = False
+            silent = time.monotonic() - self.last_answer
+            if silent > unhealthy_after_s and self.breaker:
+                n = self.breaker.break_all(f"it has not answered for {silent:.0f} s")
+                log.warning("backend %s: %d open stream(s) moved away (silent %.0f s)",
+                            self.name, n, silent)
             return
         if ready and not self.ready:
             log.info("backend %s is ready", self.name)
@@ -83,6 +95,18 @@ class Backend:
         # keep one scrape at or before the window's start, as the baseline of the deltas
         while len(self._history) > 2 and self._history[1][0] <= now - TTFT_WINDOW_S:
             self._history.popleft()
+        self._watch_front()
+
+    def _watch_front(self) -> None:
+        started = max(self.metrics.get(FRONT_START_METRIC, {}).values(), default=None)
+        if started is None:
+            return
+        if self.front_started is not None and started > self.front_started:
+            n = self.breaker.break_all("its front restarted", opened_before=started,
+                                       server_ok=True)
+            log.warning("backend %s: its front restarted; %d stream(s) it held moved away",
+                        self.name, n)
+        self.front_started = started
 
 
 class BackendPool:
@@ -99,7 +123,7 @@ class BackendPool:
     async def check_all(self) -> None:
         assert self._session is not None
         timeout = max(0.5, self.config.health_interval_s)
-        await asyncio.gather(*(b.check(self._session, timeout)
+        await asyncio.gather(*(b.check(self._session, timeout, self.config.unhealthy_after_s)
                                for b in self.backends.values()))
 
     async def start(self) -> None:

@@ -14,11 +14,15 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_f
 class ApiError(Exception):
     """A request ends with this status and message; `param` names the field at fault."""
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 server_ok: bool = False) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        # the server lost the request but serves again (its front restarted): a move may go
+        # back to it
+        self.server_ok = server_ok
 
     @property
     def retryable(self) -> bool:

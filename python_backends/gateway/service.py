@@ -169,7 +169,8 @@ class Gateway:
         if call.moves >= self.config.migration_limit:
             raise ApiError(error.status, f"{error.message} (moved {call.moves} times already)")
         inputs = {**call.request.inputs, "resume_ids": list(call.token_ids)}
-        backend, first, rest = await self._first_piece(call.request, inputs, exclude=(failed,))
+        backend, first, rest = await self._first_piece(
+            call.request, inputs, exclude=() if error.server_ok else (failed,))
         self.metrics.migrations.labels(backend=backend.name).inc()
         log.warning("stream moved from %s to %s after %d tokens: %s", failed, backend.name,
                     len(call.token_ids), error.message)
@@ -192,7 +193,7 @@ class Gateway:
                 self.metrics.retries.labels(backend=backend.name).inc()
             backend.in_flight += 1
             rest = stream(backend.client, inputs, request.parameters, backend.headers,
-                          self.config.request_timeout_s)
+                          self.config.request_timeout_s, backend.breaker)
             try:
                 first = await anext(rest)
             except ApiError as e:

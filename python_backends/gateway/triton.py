@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,11 +74,47 @@ def ensemble_inputs(values: dict[str, Any]) -> list[grpcclient.InferInput]:
     return tensors
 
 
+class Breaker:
+    """The streams open on one server, to end when the gateway learns that the server lost
+    them (it stopped answering, or its front restarted: Triton 2.51 never ends the requests a
+    dead front stub held, so their streams would stay open and silent). A broken stream raises
+    a retryable ApiError, and the gateway moves its request elsewhere."""
+
+    def __init__(self) -> None:
+        self._opened: dict[Any, float] = {}  # gRPC call -> when it was opened (Unix time)
+        self._broken: dict[Any, ApiError] = {}  # gRPC call -> what its reader gets
+
+    def __len__(self) -> int:
+        return len(self._opened)
+
+    def add(self, call: Any) -> None:
+        self._opened[call] = time.time()
+
+    def discard(self, call: Any) -> ApiError | None:
+        """Forget `call`; returns the error it was broken with, None if it was not."""
+        self._opened.pop(call, None)
+        return self._broken.pop(call, None)
+
+    def break_all(self, reason: str, opened_before: float = math.inf,
+                  server_ok: bool = False) -> int:
+        """Cancel every stream opened before `opened_before`; their readers get a 503 saying
+        `reason` (`server_ok`: the server serves again, a move may go back to it). Returns
+        how many."""
+        calls = [c for c, at in self._opened.items() if at < opened_before]
+        for call in calls:
+            del self._opened[call]
+            self._broken[call] = ApiError(503, f"the server lost the request: {reason}",
+                                          server_ok=server_ok)
+            call.cancel()
+        return len(calls)
+
+
 async def stream(client: grpcclient.InferenceServerClient, inputs: dict[str, Any],
                  parameters: dict[str, str], headers: dict[str, str] | None,
-                 timeout_s: float) -> AsyncIterator[Piece]:
+                 timeout_s: float, breaker: Breaker | None = None) -> AsyncIterator[Piece]:
     """The ensemble's responses to one request. Raises ApiError when the server refuses or
-    fails it (a stream that fails after its first piece ends with finish_reason "error")."""
+    fails it (a stream that fails after its first piece ends with finish_reason "error"), or
+    503 when `breaker` breaks it."""
     tensors = ensemble_inputs(inputs)
     done = asyncio.Event()
 
@@ -85,6 +123,8 @@ async def stream(client: grpcclient.InferenceServerClient, inputs: dict[str, Any
         await done.wait()  # keep our side open until the answer ends
 
     responses = client.stream_infer(one_request(), stream_timeout=timeout_s, headers=headers)
+    breaker = Breaker() if breaker is None else breaker
+    breaker.add(responses)
     try:
         async for result, error in responses:
             if error is not None:
@@ -100,7 +140,13 @@ async def stream(client: grpcclient.InferenceServerClient, inputs: dict[str, Any
         raise from_triton(str(e.message())) from None
     except grpc.aio.AioRpcError as e:  # the server is unreachable, or the stream broke
         raise ApiError(503, f"the server failed: {e.code().name}: {e.details()}") from None
+    except asyncio.CancelledError:
+        broken = breaker.discard(responses)
+        if broken is None:
+            raise  # our own task was cancelled (the client went away)
+        raise broken from None
     finally:
+        breaker.discard(responses)
         done.set()
         with contextlib.suppress(Exception):
             responses.cancel()

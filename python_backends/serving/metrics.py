@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import triton_python_backend_utils as pb_utils
 
 from python_backends.front.stream import RequestStream
-from python_backends.wire import DEFAULT_TENANT
+from python_backends.wire import DEFAULT_TENANT, FRONT_START_METRIC
 
 if TYPE_CHECKING:  # the front's stub loads this module and needs no torch
     from python_backends.engine.llm_engine import EngineStats, LLMEngine, TokenEvent
@@ -280,6 +280,10 @@ class RequestMetrics:
             "llm_e2e_request_latency_seconds", "Arrival at the front to the last token", h,
             labels, LATENCY_BUCKETS,
         )
+        # A new value means a new front: requests its predecessor held are lost inside Triton
+        # (2.51 never ends a dead stub's requests), and the gateway moves them elsewhere.
+        _metric(FRONT_START_METRIC, "When this server's front instance started (Unix time)",
+                pb_utils.MetricFamily.GAUGE, labels).set(time.time())
         c = pb_utils.MetricFamily.COUNTER
         self.prompt_tokens = _metric(
             "llm_prompt_tokens_total", "Prompt tokens of finished requests", c, labels

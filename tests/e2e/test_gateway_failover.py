@@ -21,6 +21,7 @@ import requests
 
 from python_backends.client import metric_sum
 from python_backends.launcher import ServerOptions, TritonServer, free_port
+from python_backends.watchdog import live_stubs
 from tests.e2e.conftest import (
     ENGINE_DIR,
     Gateway,
@@ -145,42 +146,84 @@ def test_a_pinned_tenant_is_never_served_outside_its_region(
     assert _finished(server.options.metrics_url) == eu_before + 6
 
 
+class Streams:
+    """8 greedy streams from a us client through the gateway, each on its own thread."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        client = gateway.openai(KEY).with_options(default_headers=US)
+        self.texts = ["" for _ in STREAMS]
+        self.errors: list[BaseException] = []
+        started = [threading.Event() for _ in STREAMS]
+
+        def run(i: int) -> None:
+            try:
+                for event in client.completions.create(model=MODEL, prompt=STREAMS[i],
+                                                       max_tokens=LONG, temperature=0,
+                                                       stream=True):
+                    self.texts[i] += event.choices[0].text if event.choices else ""
+                    started[i].set()
+            except BaseException as e:  # reported by `finish`
+                self.errors.append(e)
+                started[i].set()
+
+        self.threads = [threading.Thread(target=run, args=(i,)) for i in range(len(STREAMS))]
+        for t in self.threads:
+            t.start()
+        assert all(e.wait(120) for e in started)
+
+    def finish(self, reference: Reference) -> None:
+        """Every stream ended, with Hugging Face's greedy text."""
+        for t in self.threads:
+            t.join(180)
+        assert not any(t.is_alive() for t in self.threads), "a stream is still open"
+        assert not self.errors, self.errors
+        for i, prompt in enumerate(STREAMS):
+            assert self.texts[i] == reference.text(prompt), i
+
+
+def _in_flight(gateway: Gateway) -> dict[str, float]:
+    return {name: metric_sum(gateway.metrics(), "gateway_backend_in_flight", backend=name)
+            for name in ("eu-1", "us-1", "us-2")}
+
+
+def _moved(gateway: Gateway) -> float:
+    return metric_sum(gateway.metrics(), "gateway_migrations_total")
+
+
+def test_streams_survive_a_front_that_restarts(gateway: Gateway, us_servers: list[TritonServer],
+                                               long_reference: Reference) -> None:
+    """Triton 2.51 never ends the requests a dead front stub held: the gateway sees the new
+    front's start time on the server's metrics and moves the streams the old one held."""
+    moved_before = _moved(gateway)
+    streams = Streams(gateway)
+    in_flight = _in_flight(gateway)
+    server = us_servers[1]
+    assert server.process is not None and in_flight["us-2"] > 0, in_flight
+    [front] = [s for s in live_stubs(server.process.pid) if s.model == "front"]
+    os.kill(front.pid, signal.SIGKILL)
+    streams.finish(long_reference)
+    moved = _moved(gateway) - moved_before
+    print(f"streams open per server at the kill: {in_flight}; {moved:.0f} moved")
+    assert 0 < moved <= in_flight["us-2"]
+    deadline = time.monotonic() + 60  # the watchdog brought the front back: us-2 serves again
+    while not metric_sum(gateway.metrics(), "gateway_backend_healthy", backend="us-2"):
+        assert time.monotonic() < deadline, "us-2 did not come back"
+        time.sleep(0.5)
+
+
 def test_streams_survive_their_server_dying(gateway: Gateway, server: Server,
                                             us_servers: list[TritonServer],
                                             long_reference: Reference) -> None:
     client = gateway.openai(KEY).with_options(default_headers=US)
-    texts = ["" for _ in STREAMS]
-    started = [threading.Event() for _ in STREAMS]
-    errors: list[BaseException] = []
-
-    def run(i: int) -> None:
-        try:
-            for event in client.completions.create(model=MODEL, prompt=STREAMS[i],
-                                                   max_tokens=LONG, temperature=0,
-                                                   stream=True):
-                texts[i] += event.choices[0].text if event.choices else ""
-                started[i].set()
-        except BaseException as e:  # reported below
-            errors.append(e)
-            started[i].set()
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(STREAMS))]
-    for t in threads:
-        t.start()
-    assert all(e.wait(120) for e in started)
-    in_flight = {name: metric_sum(gateway.metrics(), "gateway_backend_in_flight", backend=name)
-                 for name in ("eu-1", "us-1", "us-2")}
+    moved_before = _moved(gateway)
+    streams = Streams(gateway)
+    in_flight = _in_flight(gateway)
     assert in_flight["eu-1"] == 0 and in_flight["us-1"] > 0, in_flight  # us clients, us servers
     victim, survivor = us_servers
     assert victim.process is not None
     os.kill(victim.process.pid, signal.SIGKILL)  # the whole server, with its streams
-    for t in threads:
-        t.join(180)
-    assert not errors, errors
-    for i, prompt in enumerate(STREAMS):
-        assert texts[i] == long_reference.text(prompt), i
-    moved = sum(metric_sum(gateway.metrics(), "gateway_migrations_total", backend=name)
-                for name in ("eu-1", "us-2"))
+    streams.finish(long_reference)
+    moved = _moved(gateway) - moved_before
     assert 0 < moved <= in_flight["us-1"]  # (a stream may have finished before the kill)
     print(f"streams open per server at the kill: {in_flight}; {moved:.0f} moved")
     # new traffic from us goes to the us server left

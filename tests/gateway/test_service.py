@@ -41,7 +41,7 @@ def _fake_servers(monkeypatch: pytest.MonkeyPatch, errors: dict[str, ApiError]) 
     tried: list[str] = []
 
     async def fake_stream(client: FakeClient, inputs: Any, parameters: Any, headers: Any,
-                          timeout_s: float) -> AsyncIterator[Piece]:
+                          timeout_s: float, breaker: Any = None) -> AsyncIterator[Piece]:
         name = client.name
         tried.append(name)
         if name in errors:
@@ -124,7 +124,8 @@ def _scripted(monkeypatch: pytest.MonkeyPatch, scripts: dict[str, list[Piece | A
     """Servers that stream their script: pieces, and an error where the stream breaks."""
 
     async def fake_stream(client: FakeClient, inputs: dict[str, Any], parameters: Any,
-                          headers: Any, timeout_s: float) -> AsyncIterator[Piece]:
+                          headers: Any, timeout_s: float,
+                          breaker: Any = None) -> AsyncIterator[Piece]:
         sent.append((client.name, inputs))
         for step in scripts[client.name]:
             if isinstance(step, ApiError):
@@ -169,6 +170,32 @@ def test_moves_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ApiError) as e:
         _read_all(_gateway(migration_limit=1))
     assert e.value.status == 503 and "moved 1 times" in e.value.message
+
+
+def test_a_stream_its_server_lost_but_still_serves_may_go_back_to_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The server's front restarted: the server is fine, so the move may pick it again (the
+    only server of a single-server gateway, or still the least loaded)."""
+    calls: list[tuple[str, dict[str, Any]]] = []
+    replies: dict[str, list[list[Piece | ApiError]]] = {"a": [
+        [Piece("He", [1]), ApiError(503, "the server lost the request: its front restarted",
+                                    server_ok=True)],
+        [Piece("llo", [2], finish_reason="length")]]}
+
+    async def fake_stream(client: FakeClient, inputs: dict[str, Any], parameters: Any,
+                          headers: Any, timeout_s: float,
+                          breaker: Any = None) -> AsyncIterator[Piece]:
+        calls.append((client.name, inputs))
+        for step in replies[client.name].pop(0):
+            if isinstance(step, ApiError):
+                raise step
+            yield step
+
+    monkeypatch.setattr(service, "stream", fake_stream)
+    pieces, _ = _read_all(_gateway())
+    assert "".join(p.text for p in pieces) == "Hello"
+    assert [name for name, _ in calls] == ["a", "a"] and calls[1][1]["resume_ids"] == [1]
 
 
 def test_a_refusal_midway_is_not_moved(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,11 +1,20 @@
-"""The ensemble's input tensors, typed by the wire's declaration of each input."""
+"""The ensemble's input tensors, typed by the wire's declaration of each input; streams the
+gateway breaks when their server has lost them."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
 import pytest
 
+from python_backends.gateway.backends import Backend
+from python_backends.gateway.config import BackendConfig
 from python_backends.gateway.errors import ApiError
-from python_backends.gateway.triton import ensemble_inputs
+from python_backends.gateway.triton import Breaker, Piece, ensemble_inputs, stream
+from python_backends.wire import FRONT_START_METRIC
 
 
 def test_inputs_take_the_ensembles_types_and_shapes() -> None:
@@ -29,3 +38,90 @@ def test_bad_values_are_refused_by_name(inputs: dict[str, object], field: str) -
     with pytest.raises(ApiError) as e:
         ensemble_inputs(inputs)
     assert e.value.status == 400 and e.value.param == field
+
+
+class SilentStream:
+    """A gRPC stream whose server never answers (its front died): reading waits until the
+    call is cancelled, which raises CancelledError in the reader, as grpc.aio does."""
+
+    def __init__(self) -> None:
+        self._cancelled = asyncio.Event()
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    def __aiter__(self) -> SilentStream:
+        return self
+
+    async def __anext__(self) -> Any:
+        await self._cancelled.wait()
+        raise asyncio.CancelledError
+
+
+class SilentClient:
+    def __init__(self) -> None:
+        self.streams: list[SilentStream] = []
+
+    def stream_infer(self, requests: Any, **kwargs: Any) -> SilentStream:
+        self.streams.append(SilentStream())
+        return self.streams[-1]
+
+
+async def _read(pieces: AsyncIterator[Piece]) -> list[Piece]:
+    return [p async for p in pieces]
+
+
+def test_a_stream_its_server_lost_ends_with_a_retryable_error() -> None:
+    async def run() -> None:
+        breaker = Breaker()
+        reader = asyncio.create_task(_read(stream(SilentClient(), {"text_input": "x"}, {}, None,
+                                                  60.0, breaker)))
+        await asyncio.sleep(0.05)
+        assert len(breaker) == 1
+        assert breaker.break_all("its front restarted") == 1
+        with pytest.raises(ApiError) as e:
+            await asyncio.wait_for(reader, 5)
+        assert e.value.retryable and "its front restarted" in e.value.message
+        assert len(breaker) == 0
+
+    asyncio.run(run())
+
+
+def test_a_reader_that_goes_away_is_cancelled_not_broken() -> None:
+    async def run() -> None:
+        breaker = Breaker()
+        reader = asyncio.create_task(_read(stream(SilentClient(), {"text_input": "x"}, {}, None,
+                                                  60.0, breaker)))
+        await asyncio.sleep(0.05)
+        reader.cancel()  # the client went away: not an error to move
+        with pytest.raises(asyncio.CancelledError):
+            await reader
+        assert len(breaker) == 0
+
+    asyncio.run(run())
+
+
+class FakeCall:
+    def __init__(self) -> None:
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+def test_a_restarted_front_breaks_the_streams_opened_before_it() -> None:
+    backend = Backend(BackendConfig(name="a", grpc="127.0.0.1:1", metrics="http://x"))
+    old, new = FakeCall(), FakeCall()
+    backend.breaker.add(old)
+    backend.metrics = {FRONT_START_METRIC: {frozenset(): time.time() - 60}}
+    backend._watch_front()  # the front the gateway first saw: nothing to break
+    assert not old.cancelled
+    restart = time.time()
+    time.sleep(0.01)
+    backend.breaker.add(new)  # opened after the new front started
+    backend.metrics = {FRONT_START_METRIC: {frozenset(): restart}}
+    backend._watch_front()
+    assert old.cancelled and not new.cancelled
+    broken = backend.breaker.discard(old)
+    assert broken is not None and broken.server_ok and "its front restarted" in broken.message
+    assert backend.breaker.discard(new) is None
