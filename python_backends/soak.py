@@ -355,14 +355,16 @@ class MemoryWatch:
     """Resident memory of the server's processes: each one's size `warmup_s` after it was first
     seen (its baseline), and its latest; split into private memory and the shared memory it
     touched (a Python stub's and tritonserver's message arenas in /dev/shm grow to the busiest
-    moment's need and stay that size). A process gone by the last sample (a fault killed it)
-    is reported as exited, with its last size."""
+    moment's need and stay that size). Growth over the second half of a process's time after
+    warm-up tells memory that settled from memory still growing. A process gone by the last
+    sample (a fault killed it) is reported as exited, with its last size."""
 
     def __init__(self, warmup_s: float) -> None:
         self.warmup_s = warmup_s
         self._seen: dict[int, tuple[str, float]] = {}  # pid -> (name, first seen)
         self._baseline: dict[int, procfs.Memory] = {}
         self._latest: dict[int, procfs.Memory] = {}
+        self._rss: dict[int, list[tuple[float, int]]] = {}  # pid -> (time, rss) after warm-up
         self._alive: set[int] = set()  # in the last sample
 
     def sample(self, server_pid: int) -> None:
@@ -380,6 +382,7 @@ class MemoryWatch:
             self._latest[proc.pid] = memory
             if now - since >= self.warmup_s:
                 self._baseline.setdefault(proc.pid, memory)
+                self._rss.setdefault(proc.pid, []).append((now, memory.rss))
 
     def report(self) -> list[dict[str, Any]]:
         rows = []
@@ -390,8 +393,20 @@ class MemoryWatch:
                          "growth_pct": round(100.0 * (latest.rss - base.rss) / base.rss, 1),
                          "private_growth_mb": _mib(latest.anon - base.anon),
                          "shared_growth_mb": _mib(latest.shmem - base.shmem),
+                         "second_half_growth_pct": self._second_half_growth(pid),
                          "exited": pid not in self._alive})
         return sorted(rows, key=lambda r: (bool(r["exited"]), str(r["process"])))
+
+
+    def _second_half_growth(self, pid: int) -> float:
+        """Growth from the midpoint of the process's time after warm-up to its last sample, in
+        percent of its baseline."""
+        samples = self._rss.get(pid, [])
+        if len(samples) < 2:
+            return 0.0
+        (start, base), (end, last) = samples[0], samples[-1]
+        middle = next(rss for t, rss in samples if t >= (start + end) / 2)
+        return round(100.0 * (last - middle) / base, 1)
 
 
 def _mib(n: int) -> float:
@@ -424,7 +439,8 @@ def print_report(report: dict[str, Any]) -> None:
     for row in report["memory"]:
         print(f"  {row['process']:<18} {row['after_warmup_mb']:>8.1f} -> "
               f"{row['at_end_mb']:>8.1f} MiB ({row['growth_pct']:+6.1f}%; "
-              f"{row['private_growth_mb']:+.1f}, {row['shared_growth_mb']:+.1f} MiB)"
+              f"{row['private_growth_mb']:+.1f}, {row['shared_growth_mb']:+.1f} MiB; "
+              f"{row['second_half_growth_pct']:+.1f}% in the second half)"
               + ("  exited" if row["exited"] else ""))
     for outcome, shown in report["examples"].items():
         print(f"examples of {outcome}:", *shown, sep="\n  ")

@@ -48,3 +48,15 @@ def test_memory_is_reported_per_process_and_a_process_gone_is_marked_exited() ->
     assert me["after_warmup_mb"] > 10 and {"private_growth_mb", "shared_growth_mb"} <= set(me)
     exited = [r["exited"] for r in watch.report()]
     assert exited == sorted(exited)  # the exited ones last
+
+
+def test_growth_in_the_second_half_tells_settled_memory_from_growing() -> None:
+    watch = MemoryWatch(warmup_s=0.0)
+    mib = 2**20
+    # grew 100 MiB early, then held: settled
+    watch._rss[1] = [(0.0, 100 * mib), (5.0, 200 * mib), (10.0, 200 * mib), (20.0, 200 * mib)]
+    # grew steadily
+    watch._rss[2] = [(float(t), (100 + 5 * t) * mib) for t in range(21)]
+    assert watch._second_half_growth(1) == 0.0
+    assert watch._second_half_growth(2) == 50.0
+    assert watch._second_half_growth(3) == 0.0  # never sampled after its warm-up
