@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import sysconfig
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -66,6 +67,20 @@ RESTRICTED_APIS = (
 
 class ServerError(RuntimeError):
     pass
+
+
+def stop_on_sigterm() -> None:
+    """Make SIGTERM unwind this process (SystemExit) where nothing else handles it, so that a
+    script or test run killed that way stops the servers its `with TritonServer(...)` blocks
+    and fixtures started, instead of leaving them running. From the main thread only, and only
+    over the default action (serve.sh's own handler stays)."""
+    if (threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL):
+        signal.signal(signal.SIGTERM, _exit_on_signal)
+
+
+def _exit_on_signal(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def pytriton_dir() -> Path:
@@ -211,6 +226,7 @@ class TritonServer:
         return [f"--http-restricted-api={rule}", f"--grpc-restricted-protocol={rule}"]
 
     def start(self) -> None:
+        stop_on_sigterm()
         self._shm_before = set(os.listdir(SHM_DIR))
         out = open(self.options.log_file, "ab") if self.options.log_file else None  # noqa: SIM115
         self.process = subprocess.Popen(

@@ -3,13 +3,20 @@ died is read from its log; one that keeps dying is given up on."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from python_backends import launcher
-from python_backends.launcher import UPSTREAM_ABORT, ServerOptions, TritonServer
+from python_backends.launcher import (
+    PROJECT_ROOT,
+    UPSTREAM_ABORT,
+    ServerOptions,
+    TritonServer,
+)
 
 ABORT_LOG = f"""I1130 loading prefill
 terminate called after throwing an instance of '{UPSTREAM_ABORT}'
@@ -92,3 +99,19 @@ def test_the_restart_budget_counts_within_its_window() -> None:
     assert budget.spend() and budget.spend() and not budget.spend()
     now[0] = 10.5  # the first two left the window
     assert budget.spend()
+
+
+def test_sigterm_unwinds_a_script_so_its_servers_are_stopped(tmp_path: Path) -> None:
+    marker = tmp_path / "stopped"
+    code = (
+        "import os, signal, time\n"
+        "from python_backends.launcher import stop_on_sigterm\n"
+        "stop_on_sigterm()\n"
+        "try:\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(10)\n"
+        "finally:\n"
+        f"    open({str(marker)!r}, 'w').write('stopped')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=PROJECT_ROOT, timeout=60)
+    assert done.returncode == 128 + signal.SIGTERM and marker.read_text() == "stopped"
