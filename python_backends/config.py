@@ -26,7 +26,7 @@ def engine_dir_default() -> Path:
 API_KEY_ENV = "LLM_API_KEY"
 # A server's role: which models it loads (launcher.ROLE_MODELS). The front model of a `front`
 # server reaches engine groups on other servers only; an `aggregated` server is a whole server
-# with the worker group alone (half the memory of `all`: no prefill and decode engines).
+# with the worker group alone (one engine instead of three: no prefill and decode).
 ROLE_ENV = "LLM_ROLE"
 ROLES = ("all", "front", "prefill", "decode", "worker", "aggregated")
 ENGINE_GROUPS = ("worker", "prefill", "decode")

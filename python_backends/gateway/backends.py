@@ -68,8 +68,9 @@ class Backend:
     async def check(self, session: aiohttp.ClientSession, timeout_s: float,
                     unhealthy_after_s: float) -> None:
         """Read readiness and metrics once; a failure leaves the server's last answer as is.
-        Streams the server has lost are broken: all of them once it has not answered for
-        `unhealthy_after_s`, those opened before its front restarted when it has."""
+        Streams the server has lost are broken: once it has not answered for
+        `unhealthy_after_s`, those that received nothing for as long; when its front
+        restarted, those opened before."""
         try:
             ready = await self.client.is_server_ready(headers=self.headers,
                                                       client_timeout=timeout_s)
@@ -82,9 +83,12 @@ class Backend:
             self.ready = False
             silent = time.monotonic() - self.last_answer
             if silent > unhealthy_after_s and self.breaker:
-                n = self.breaker.break_all(f"it has not answered for {silent:.0f} s")
-                log.warning("backend %s: %d open stream(s) moved away (silent %.0f s)",
-                            self.name, n, silent)
+                # only streams as quiet as the server: one still receiving pieces is alive
+                n = self.breaker.break_all(f"it has not answered for {silent:.0f} s",
+                                           quiet_s=unhealthy_after_s)
+                if n:
+                    log.warning("backend %s: %d open stream(s) moved away (silent %.0f s)",
+                                self.name, n, silent)
             return
         if ready and not self.ready:
             log.info("backend %s is ready", self.name)

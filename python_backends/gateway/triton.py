@@ -82,6 +82,7 @@ class Breaker:
 
     def __init__(self) -> None:
         self._opened: dict[Any, float] = {}  # gRPC call -> when it was opened (Unix time)
+        self._heard: dict[Any, float] = {}  # gRPC call -> its last piece (monotonic)
         self._broken: dict[Any, ApiError] = {}  # gRPC call -> what its reader gets
 
     def __len__(self) -> int:
@@ -89,20 +90,29 @@ class Breaker:
 
     def add(self, call: Any) -> None:
         self._opened[call] = time.time()
+        self._heard[call] = time.monotonic()
+
+    def heard(self, call: Any) -> None:
+        """`call` received a piece: it is alive."""
+        if call in self._heard:
+            self._heard[call] = time.monotonic()
 
     def discard(self, call: Any) -> ApiError | None:
         """Forget `call`; returns the error it was broken with, None if it was not."""
         self._opened.pop(call, None)
+        self._heard.pop(call, None)
         return self._broken.pop(call, None)
 
-    def break_all(self, reason: str, opened_before: float = math.inf,
+    def break_all(self, reason: str, opened_before: float = math.inf, quiet_s: float = 0.0,
                   server_ok: bool = False) -> int:
-        """Cancel every stream opened before `opened_before`; their readers get a 503 saying
-        `reason` (`server_ok`: the server serves again, a move may go back to it). Returns
-        how many."""
-        calls = [c for c, at in self._opened.items() if at < opened_before]
+        """Cancel every stream opened before `opened_before` (Unix time) that has received
+        nothing for `quiet_s`; their readers get a 503 saying `reason` (`server_ok`: the
+        server serves again, a move may go back to it). Returns how many."""
+        now = time.monotonic()
+        calls = [c for c, at in self._opened.items()
+                 if at < opened_before and now - self._heard[c] >= quiet_s]
         for call in calls:
-            del self._opened[call]
+            del self._opened[call], self._heard[call]
             self._broken[call] = ApiError(503, f"the server lost the request: {reason}",
                                           server_ok=server_ok)
             call.cancel()
@@ -127,6 +137,7 @@ async def stream(client: grpcclient.InferenceServerClient, inputs: dict[str, Any
     breaker.add(responses)
     try:
         async for result, error in responses:
+            breaker.heard(responses)
             if error is not None:
                 raise from_triton(str(error.message()))
             piece = _piece(result)

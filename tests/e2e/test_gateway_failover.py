@@ -1,9 +1,9 @@
 """Three Triton servers behind one gateway, as two regions (eu: the session's server; us: two
 of this module's own, role `aggregated`, the whole pipeline with the worker engine alone): a
 tenant pinned to eu is never served in us; a us server as a canary gets its share of users; and
-when a us server dies with streams in flight every stream goes on on another server (the prompt
-and the tokens so far) with output identical to Hugging Face's, while new traffic from us goes
-to the us server left."""
+when a us server dies, stops answering, or restarts its front with streams in flight, every
+stream goes on on another server (the prompt and the tokens so far) with output identical to
+Hugging Face's, while new traffic from us goes to the us server left."""
 
 from __future__ import annotations
 
@@ -206,6 +206,30 @@ def test_streams_survive_a_front_that_restarts(gateway: Gateway, us_servers: lis
     print(f"streams open per server at the kill: {in_flight}; {moved:.0f} moved")
     assert 0 < moved <= in_flight["us-2"]
     deadline = time.monotonic() + 60  # the watchdog brought the front back: us-2 serves again
+    while not metric_sum(gateway.metrics(), "gateway_backend_healthy", backend="us-2"):
+        assert time.monotonic() < deadline, "us-2 did not come back"
+        time.sleep(0.5)
+
+
+def test_streams_survive_a_server_that_stops_answering(
+    gateway: Gateway, us_servers: list[TritonServer], long_reference: Reference,
+) -> None:
+    """us-2's tritonserver stopped (SIGSTOP): its connections stay open but nothing comes. After
+    `unhealthy_after_s` (3 s) without an answer the gateway moves the streams it held."""
+    moved_before = _moved(gateway)
+    streams = Streams(gateway)
+    in_flight = _in_flight(gateway)
+    server = us_servers[1]
+    assert server.process is not None and in_flight["us-2"] > 0, in_flight
+    os.kill(server.process.pid, signal.SIGSTOP)
+    try:
+        streams.finish(long_reference)
+    finally:
+        os.kill(server.process.pid, signal.SIGCONT)
+    moved = _moved(gateway) - moved_before
+    print(f"streams open per server when us-2 stopped: {in_flight}; {moved:.0f} moved")
+    assert 0 < moved <= in_flight["us-2"]
+    deadline = time.monotonic() + 60  # it answers again: back in rotation
     while not metric_sum(gateway.metrics(), "gateway_backend_healthy", backend="us-2"):
         assert time.monotonic() < deadline, "us-2 did not come back"
         time.sleep(0.5)

@@ -125,3 +125,14 @@ def test_a_restarted_front_breaks_the_streams_opened_before_it() -> None:
     broken = backend.breaker.discard(old)
     assert broken is not None and broken.server_ok and "its front restarted" in broken.message
     assert backend.breaker.discard(new) is None
+
+
+def test_a_silent_server_breaks_only_the_streams_that_are_quiet_too() -> None:
+    breaker = Breaker()
+    quiet, talking = FakeCall(), FakeCall()
+    breaker.add(quiet)
+    breaker.add(talking)
+    time.sleep(0.05)
+    breaker.heard(talking)
+    assert breaker.break_all("it has not answered for 3 s", quiet_s=0.04) == 1
+    assert quiet.cancelled and not talking.cancelled and len(breaker) == 1
