@@ -373,8 +373,10 @@ class MemoryWatch:
         self._alive = set()
         for proc in [*([server] if server else []), *procfs.running_descendants(server_pid)]:
             # named anew each time: a stub is first seen as the shell Triton starts it with
-            since = self._seen.get(proc.pid, ("", now))[1]
-            self._seen[proc.pid] = (_name(proc), since)
+            # (and an exiting one has no command line left: "?")
+            known, since = self._seen.get(proc.pid, ("?", now))
+            name = _name(proc)
+            self._seen[proc.pid] = (known if name == "?" else name, since)
             memory = proc.memory()
             if memory is None:
                 continue
