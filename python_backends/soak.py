@@ -210,10 +210,7 @@ class Soak:
             "faults": [{"at_s": round(t - self.faults.events[0][0], 1) if self.faults.events
                         else 0, "fault": f, "what": w} for t, f, w in self.faults.events],
             "kv_blocks_held_at_end": held,
-            "kv_blocks_held_by_instance": {
-                dict(labels).get("instance", "?"): value
-                for labels, value in metrics.get("llm_kv_cache_blocks_used", {}).items()
-                if value},
+            "kv_blocks_held_by_instance": held_by_instance(metrics),
             "migrations": metric_sum(metrics, "llm_request_migrations_total"),
             "unserved": metric_sum(metrics, "llm_requests_unserved_total"),
             "memory": self.memory.report(),
@@ -233,6 +230,25 @@ class Soak:
                 time.monotonic() < deadline):
             time.sleep(1.0)
         return metrics
+
+
+# What an instance holding KV blocks at the end also reports: sequences still there or not
+# tells a leak in the instance from a stale series of one that exited.
+HOLDER_GAUGES = ("llm_num_requests_running", "llm_num_requests_waiting", "llm_engine_healthy")
+
+
+def held_by_instance(metrics: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """The engine instances whose KV blocks are counted in use: the count, and the instance's
+    other gauges."""
+    def by_instance(name: str) -> dict[str, float]:
+        return {dict(labels).get("instance", "?"): value
+                for labels, value in metrics.get(name, {}).items()}
+
+    held = {i: v for i, v in by_instance("llm_kv_cache_blocks_used").items() if v}
+    gauges = {name: by_instance(name) for name in HOLDER_GAUGES}
+    return {i: {"blocks": v, **{name.removeprefix("llm_"): gauges[name].get(i, float("nan"))
+                                for name in HOLDER_GAUGES}}
+            for i, v in held.items()}
 
 
 def inject(fault: str, server_pid: int) -> str:

@@ -7,7 +7,7 @@ import os
 import subprocess
 import time
 
-from python_backends.soak import FaultLog, MemoryWatch, Outcome, Tally
+from python_backends.soak import FaultLog, MemoryWatch, Outcome, Tally, held_by_instance
 
 
 def test_a_request_in_flight_when_the_front_died_is_lost_not_hung() -> None:
@@ -60,3 +60,17 @@ def test_growth_in_the_second_half_tells_settled_memory_from_growing() -> None:
     assert watch._second_half_growth(1) == 0.0
     assert watch._second_half_growth(2) == 50.0
     assert watch._second_half_growth(3) == 0.0  # never sampled after its warm-up
+
+
+def test_an_instance_holding_kv_blocks_reports_its_sequences_too() -> None:
+    def series(**values: float) -> dict[frozenset[tuple[str, str]], float]:
+        return {frozenset({("model", i.split("_")[0]), ("instance", i)}): v
+                for i, v in values.items()}
+
+    metrics = {"llm_kv_cache_blocks_used": series(worker_0_0=175.0, decode_0_0=0.0),
+               "llm_num_requests_running": series(worker_0_0=0.0, decode_0_0=0.0),
+               "llm_num_requests_waiting": series(worker_0_0=0.0),
+               "llm_engine_healthy": series(worker_0_0=1.0)}
+    assert held_by_instance(metrics) == {"worker_0_0": {
+        "blocks": 175.0, "num_requests_running": 0.0, "num_requests_waiting": 0.0,
+        "engine_healthy": 1.0}}
