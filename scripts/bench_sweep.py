@@ -151,8 +151,8 @@ def _measure(args: argparse.Namespace, aiperf: str, target: Target, c: int, tmp:
              metrics_url: str | None, pid: int | None) -> dict[str, Any]:
     n = max(args.requests, 2 * c)
     print(f"[sweep] {target.name} concurrency {c}: {n} requests ...", flush=True)
-    before = scrape(metrics_url) if metrics_url else {}
     snap = snapshot(pid, metrics_url) if pid and metrics_url else None
+    before = snap.metrics if snap else scrape(metrics_url) if metrics_url else {}
     try:
         result = profile(aiperf, target, concurrency=c, requests=n,
                          prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens,
@@ -161,14 +161,15 @@ def _measure(args: argparse.Namespace, aiperf: str, target: Target, c: int, tmp:
     except AiperfError as e:
         raise SystemExit(str(e)) from e
     row = row_of(target.name, c, result)
-    if metrics_url:
-        row["server_ttft_avg_ms"] = server_ttft_mean_ms(before, scrape(metrics_url))
+    after = snapshot(pid, metrics_url) if snap is not None and pid and metrics_url else None
+    if metrics_url:  # (one scrape for both the TTFT and the breakdown)
+        row["server_ttft_avg_ms"] = server_ttft_mean_ms(
+            before, after.metrics if after else scrape(metrics_url))
     print(f"[sweep]   {row['output_tokens_per_s']:.1f} tok/s, TTFT p50 "
           f"{row['ttft_p50_ms']:.0f} ms, ITL p50 {row['itl_p50_ms']:.1f} ms", flush=True)
-    if snap is not None and pid is not None and metrics_url:
+    if snap is not None and after is not None:
         tokens = n * args.output_tokens  # the end id is ignored: exactly this many
-        b = breakdown(snap, snapshot(pid, metrics_url), tokens,
-                      tokens / row["output_tokens_per_s"])
+        b = breakdown(snap, after, tokens, tokens / row["output_tokens_per_s"])
         row["breakdown"] = asdict(b)
         print(format_breakdown(b, os.cpu_count() or 1), flush=True)
     return row
