@@ -26,7 +26,7 @@ from transformers import AutoTokenizer
 
 from python_backends.config import DEFAULT_ENGINE_DIR, PROJECT_ROOT
 from python_backends.engine.llm_engine import LLMEngine
-from python_backends.models.attention import AttentionMetadata, PrefillSpan
+from python_backends.models.attention import AttentionMetadata
 from python_backends.params import SamplingParams
 
 
@@ -54,10 +54,7 @@ def perplexity(engine: LLMEngine, ids: list[int], window: int) -> float:
         n = len(chunk) - 1
         if n < 1:
             break
-        meta = AttentionMetadata(  # one prompt, nothing cached: its KV goes to slots 0..n-1
-            positions=torch.arange(n), slot_mapping=torch.arange(n),
-            prefills=(PrefillSpan(0, n, n, torch.empty(0, dtype=torch.long)),), decode=None,
-            logits_index=torch.arange(n)).to(device)
+        meta = AttentionMetadata.one_prompt(n).to(device)
         logits = model(torch.tensor(chunk[:n], device=device), meta)
         target = torch.tensor(chunk[1:], device=device)
         nll += float(torch.nn.functional.cross_entropy(logits, target, reduction="sum"))

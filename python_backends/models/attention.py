@@ -51,6 +51,14 @@ class AttentionMetadata:
     decode: DecodeBatch | None
     logits_index: torch.Tensor  # [N] tokens whose logits are sampled
 
+    @classmethod
+    def one_prompt(cls, n: int) -> AttentionMetadata:
+        """One uncached prompt of `n` tokens alone, its KV in slots 0..n-1 and logits at every
+        position: a forward pass outside the engine's scheduler (perplexity, tests)."""
+        return cls(positions=torch.arange(n), slot_mapping=torch.arange(n),
+                   prefills=(PrefillSpan(0, n, n, torch.empty(0, dtype=torch.long)),),
+                   decode=None, logits_index=torch.arange(n))
+
     def to(self, device: torch.device) -> AttentionMetadata:
         """The same metadata on `device` (built on the CPU, moved once per step)."""
         if self.positions.device == device:

@@ -13,7 +13,7 @@ import torch
 from python_backends.config import PROJECT_ROOT, EngineConfig, EngineConfigError, EngineLimits
 from python_backends.engine.builder import build_engine
 from python_backends.engine.llm_engine import LLMEngine
-from python_backends.models.attention import AttentionMetadata, PrefillSpan
+from python_backends.models.attention import AttentionMetadata
 from python_backends.parallel.layers import Linear, int8_supported, packable
 from python_backends.params import SamplingParams
 from tests.conftest import TinyModel
@@ -101,12 +101,8 @@ def test_build_refuses_a_cpu_dtype_the_cpu_cannot_compute(
 
 def _logits(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
     """The engine's logits at every position of one uncached prompt."""
-    n = len(ids)
-    meta = AttentionMetadata(positions=torch.arange(n), slot_mapping=torch.arange(n),
-                             prefills=(PrefillSpan(0, n, n, torch.empty(0, dtype=torch.long)),),
-                             decode=None, logits_index=torch.arange(n))
     with torch.inference_mode():
-        return engine.runner.model(torch.tensor(ids), meta)
+        return engine.runner.model(torch.tensor(ids), AttentionMetadata.one_prompt(len(ids)))
 
 
 @pytest.mark.skipif(int8_supported() is not None, reason=str(int8_supported()))
