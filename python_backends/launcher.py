@@ -46,13 +46,14 @@ MAX_RESTARTS, RESTART_WINDOW_S = 5, 600.0  # serve.sh restarts a dead server thi
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 # The models each role loads (docs/cluster.md). `all` is one whole server; `front` answers
 # clients and sends engine work to the engine servers named by REMOTE_GROUP_ENVS.
+FRONT_MODELS = ("preprocessing", "front", "postprocessing", "ensemble")
 ROLE_MODELS = {
     "all": ("*",),
-    "front": ("preprocessing", "front", "postprocessing", "ensemble"),
+    "front": FRONT_MODELS,
     "prefill": ("kv_store", "prefill"),
     "decode": ("kv_store", "decode"),
     "worker": ("kv_store", "worker"),
-    "aggregated": ("kv_store", "preprocessing", "front", "postprocessing", "ensemble", "worker"),
+    "aggregated": (*FRONT_MODELS, "kv_store", "worker"),
 }
 assert tuple(ROLE_MODELS) == ROLES
 REMOTE_GROUP_ENVS = {group: f"LLM_{group.upper()}_SERVERS" for group in ("prefill", "decode",

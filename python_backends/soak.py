@@ -415,7 +415,6 @@ class MemoryWatch:
                          "exited": pid not in self._alive})
         return sorted(rows, key=lambda r: (bool(r["exited"]), str(r["process"])))
 
-
     def _second_half_growth(self, pid: int) -> float:
         """Growth from the midpoint of the process's time after warm-up to its last sample, in
         percent of its baseline."""
