@@ -190,6 +190,16 @@ def _moved(gateway: Gateway) -> float:
     return metric_sum(gateway.metrics(), "gateway_migrations_total")
 
 
+def _wait_rotation(gateway: Gateway, backend: str, healthy: bool, timeout_s: float) -> None:
+    """Wait until the gateway has `backend` in rotation (`healthy`) or out of it."""
+    deadline = time.monotonic() + timeout_s
+    while bool(metric_sum(gateway.metrics(), "gateway_backend_healthy",
+                          backend=backend)) != healthy:
+        assert time.monotonic() < deadline, (
+            f"{backend} {'did not come back' if healthy else 'stayed in rotation'}")
+        time.sleep(0.2)
+
+
 def test_streams_survive_a_front_that_restarts(gateway: Gateway, us_servers: list[TritonServer],
                                                long_reference: Reference) -> None:
     """Triton 2.51 never ends the requests a dead front stub held: the gateway sees the new
@@ -205,10 +215,7 @@ def test_streams_survive_a_front_that_restarts(gateway: Gateway, us_servers: lis
     moved = _moved(gateway) - moved_before
     print(f"streams open per server at the kill: {in_flight}; {moved:.0f} moved")
     assert 0 < moved <= in_flight["us-2"]
-    deadline = time.monotonic() + 60  # the watchdog brought the front back: us-2 serves again
-    while not metric_sum(gateway.metrics(), "gateway_backend_healthy", backend="us-2"):
-        assert time.monotonic() < deadline, "us-2 did not come back"
-        time.sleep(0.5)
+    _wait_rotation(gateway, "us-2", True, 60)  # the watchdog brought the front back
 
 
 def test_streams_survive_a_server_that_stops_answering(
@@ -229,10 +236,7 @@ def test_streams_survive_a_server_that_stops_answering(
     moved = _moved(gateway) - moved_before
     print(f"streams open per server when us-2 stopped: {in_flight}; {moved:.0f} moved")
     assert 0 < moved <= in_flight["us-2"]
-    deadline = time.monotonic() + 60  # it answers again: back in rotation
-    while not metric_sum(gateway.metrics(), "gateway_backend_healthy", backend="us-2"):
-        assert time.monotonic() < deadline, "us-2 did not come back"
-        time.sleep(0.5)
+    _wait_rotation(gateway, "us-2", True, 60)  # it answers again
 
 
 def test_streams_survive_their_server_dying(gateway: Gateway, server: Server,
@@ -251,10 +255,7 @@ def test_streams_survive_their_server_dying(gateway: Gateway, server: Server,
     assert 0 < moved <= in_flight["us-1"]  # (a stream may have finished before the kill)
     print(f"streams open per server at the kill: {in_flight}; {moved:.0f} moved")
     # new traffic from us goes to the us server left
-    deadline = time.monotonic() + 10
-    while metric_sum(gateway.metrics(), "gateway_backend_healthy", backend="us-1"):
-        assert time.monotonic() < deadline, "the dead server stayed in rotation"
-        time.sleep(0.2)
+    _wait_rotation(gateway, "us-1", False, 10)
     before = _served(gateway, "us-2")
     for _ in range(3):
         client.completions.create(model=MODEL, prompt="Hi", max_tokens=2)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -59,24 +58,25 @@ class SilentStream:
 
 
 class SilentClient:
-    def __init__(self) -> None:
-        self.streams: list[SilentStream] = []
-
     def stream_infer(self, requests: Any, **kwargs: Any) -> SilentStream:
-        self.streams.append(SilentStream())
-        return self.streams[-1]
+        return SilentStream()
 
 
-async def _read(pieces: AsyncIterator[Piece]) -> list[Piece]:
-    return [p async for p in pieces]
+async def _silent_reader(breaker: Breaker) -> asyncio.Task[list[Piece]]:
+    """A task reading a stream whose server never answers, once the stream is open."""
+    async def read() -> list[Piece]:
+        return [p async for p in stream(SilentClient(), {"text_input": "x"}, {}, None, 60.0,
+                                        breaker)]
+
+    reader = asyncio.create_task(read())
+    await asyncio.sleep(0.05)
+    return reader
 
 
 def test_a_stream_its_server_lost_ends_with_a_retryable_error() -> None:
     async def run() -> None:
         breaker = Breaker()
-        reader = asyncio.create_task(_read(stream(SilentClient(), {"text_input": "x"}, {}, None,
-                                                  60.0, breaker)))
-        await asyncio.sleep(0.05)
+        reader = await _silent_reader(breaker)
         assert len(breaker) == 1
         assert breaker.break_all("its front restarted") == 1
         with pytest.raises(ApiError) as e:
@@ -90,9 +90,7 @@ def test_a_stream_its_server_lost_ends_with_a_retryable_error() -> None:
 def test_a_reader_that_goes_away_is_cancelled_not_broken() -> None:
     async def run() -> None:
         breaker = Breaker()
-        reader = asyncio.create_task(_read(stream(SilentClient(), {"text_input": "x"}, {}, None,
-                                                  60.0, breaker)))
-        await asyncio.sleep(0.05)
+        reader = await _silent_reader(breaker)
         reader.cancel()  # the client went away: not an error to move
         with pytest.raises(asyncio.CancelledError):
             await reader
