@@ -11,9 +11,10 @@ parallel worker (with --worker-tp) and the front's stub.
 Each request ends in one outcome (`Outcome`). None may be `hung`, `mismatched`, `server_error`
 or `unexpected`. `lost_with_front` is separate: requests in flight in the front's stub when it
 was killed, which Triton 2.51 never fails (their clients' own timeouts end them;
-docs/operations.md). At the end the soak waits for the engines to go idle and reports the KV
-blocks still held, the migrations, and each server process's resident memory against its size
-after warm-up.
+docs/operations.md). At the end the soak waits for the engines to go idle, for as long as they
+still compute (abandoned non-streaming requests run to their end), and reports the KV blocks
+still held, the migrations, and each server process's resident memory against its size after
+warm-up.
 """
 
 from __future__ import annotations
@@ -197,7 +198,7 @@ class Soak:
 
     def _report(self, elapsed: float, clients_stuck: bool) -> dict[str, Any]:
         died = not self.server_alive()
-        metrics = {} if died else self._metrics_once_idle()
+        metrics, drained_s = ({}, 0.0) if died else self._metrics_once_idle()
         held = metric_sum(metrics, "llm_kv_cache_blocks_used")
         if not died:
             self.memory.sample(self.server_pid)
@@ -210,6 +211,7 @@ class Soak:
             "faults": [{"at_s": round(t - self.faults.events[0][0], 1) if self.faults.events
                         else 0, "fault": f, "what": w} for t, f, w in self.faults.events],
             "kv_blocks_held_at_end": held,
+            "drain_s": round(drained_s, 1),  # the wait for the engines' last work to end
             "kv_blocks_held_by_instance": held_by_instance(metrics),
             "migrations": metric_sum(metrics, "llm_request_migrations_total"),
             "unserved": metric_sum(metrics, "llm_requests_unserved_total"),
@@ -222,14 +224,41 @@ class Soak:
             report["outcomes"][o.value] == 0 for o in BAD_OUTCOMES)
         return report
 
-    def _metrics_once_idle(self, timeout_s: float = 60.0) -> dict[str, Any]:
-        """The server's metrics once its engines hold no KV block (or after `timeout_s`)."""
+    def _metrics_once_idle(self) -> tuple[dict[str, Any], float]:
+        """The server's metrics once its engines hold no KV block, and the seconds that took
+        (see `wait_engines_idle`)."""
         url = self.triton.options.metrics_url
-        deadline = time.monotonic() + timeout_s
-        while metric_sum(metrics := scrape(url), "llm_kv_cache_blocks_used") and (
-                time.monotonic() < deadline):
-            time.sleep(1.0)
-        return metrics
+        return wait_engines_idle(lambda: scrape(url))
+
+
+# Waiting for the engines to drain at the end. A non-streaming request whose client went away
+# runs to its end on Triton's own HTTP endpoint (Triton notices the closed connection only when
+# it writes the answer; docs/operations.md): the soak's abandoned requests ask for 400 tokens,
+# which a 3-rank worker on 2 cores takes over a minute to compute. Blocks held while engines
+# compute are that work draining; blocks held while no engine computes are held for good.
+DRAIN_STALL_S = 30.0  # no engine computed for this long: what is held now stays held
+DRAIN_TIMEOUT_S = 600.0  # the longest the soak waits for its abandoned requests to end
+BUSY_METRIC = "llm_engine_busy_seconds_total"
+
+
+def wait_engines_idle(
+    scrape_metrics: Callable[[], dict[str, Any]], stall_s: float = DRAIN_STALL_S,
+    timeout_s: float = DRAIN_TIMEOUT_S, poll_s: float = 1.0,
+    clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
+) -> tuple[dict[str, Any], float]:
+    """Scrape until no engine holds a KV block, while the engines keep computing (their busy
+    time grows), for at most `timeout_s`; stops after `stall_s` without computation. Returns the
+    last metrics and the seconds waited."""
+    start = last_progress = clock()
+    metrics = scrape_metrics()
+    busy = metric_sum(metrics, BUSY_METRIC)
+    while metric_sum(metrics, "llm_kv_cache_blocks_used") and (
+            clock() - start < timeout_s and clock() - last_progress < stall_s):
+        sleep(poll_s)
+        metrics = scrape_metrics()
+        if (now_busy := metric_sum(metrics, BUSY_METRIC)) > busy:
+            busy, last_progress = now_busy, clock()
+    return metrics, clock() - start
 
 
 # What an instance holding KV blocks at the end also reports: sequences still there or not
@@ -448,7 +477,8 @@ def print_report(report: dict[str, Any]) -> None:
         print(f"  {name:<16} {count}")
     print(f"  migrations {report['migrations']:.0f}, unserved {report['unserved']:.0f}, "
           f"KV blocks held at the end {report['kv_blocks_held_at_end']:.0f} "
-          f"{report['kv_blocks_held_by_instance'] or ''}")
+          f"{report['kv_blocks_held_by_instance'] or ''}(after {report['drain_s']:.0f} s "
+          "waiting for the engines' last work to end)")
     print("fault schedule:")
     for f in report["faults"]:
         print(f"  {f['at_s']:>7.1f} s  {f['fault']:<8} {f['what']}")

@@ -6,8 +6,17 @@ from __future__ import annotations
 import os
 import subprocess
 import time
+from typing import Any
 
-from python_backends.soak import FaultLog, MemoryWatch, Outcome, Tally, held_by_instance
+from python_backends.client import metric_sum
+from python_backends.soak import (
+    FaultLog,
+    MemoryWatch,
+    Outcome,
+    Tally,
+    held_by_instance,
+    wait_engines_idle,
+)
 
 
 def test_a_request_in_flight_when_the_front_died_is_lost_not_hung() -> None:
@@ -74,3 +83,43 @@ def test_an_instance_holding_kv_blocks_reports_its_sequences_too() -> None:
     assert held_by_instance(metrics) == {"worker_0_0": {
         "blocks": 175.0, "num_requests_running": 0.0, "num_requests_waiting": 0.0,
         "engine_healthy": 1.0}}
+
+
+class _Drain:
+    """Scrapes of a server whose engines hold `blocks` while their busy time grows `busy`
+    (one value per scrape; the last repeats), on a clock that a sleep advances."""
+
+    def __init__(self, blocks: list[float], busy: list[float]) -> None:
+        self.blocks, self.busy, self.now, self.scrapes = blocks, busy, 0.0, 0
+
+    def scrape(self) -> dict[str, Any]:
+        i, self.scrapes = self.scrapes, self.scrapes + 1
+        labels = frozenset({("instance", "worker_0_0")})
+        return {"llm_kv_cache_blocks_used": {labels: self.blocks[min(i, len(self.blocks) - 1)]},
+                "llm_engine_busy_seconds_total": {labels: self.busy[min(i, len(self.busy) - 1)]}}
+
+    def wait(self, **kw: float) -> tuple[float, float]:
+        def sleep(s: float) -> None:
+            self.now += s
+
+        metrics, waited = wait_engines_idle(self.scrape, clock=lambda: self.now, sleep=sleep,
+                                            **kw)
+        return metric_sum(metrics, "llm_kv_cache_blocks_used"), waited
+
+
+def test_the_end_waits_for_engines_that_still_compute_their_last_requests() -> None:
+    # 100 s of an abandoned request running to its end, then idle: waited for, nothing held
+    drain = _Drain(blocks=[25.0] * 100 + [0.0], busy=[float(t) for t in range(101)])
+    assert drain.wait(stall_s=30.0, timeout_s=600.0) == (0.0, 100.0)
+
+
+def test_blocks_held_by_engines_that_compute_nothing_are_reported_after_the_stall() -> None:
+    drain = _Drain(blocks=[40.0], busy=[7.0])
+    assert drain.wait(stall_s=30.0, timeout_s=600.0) == (40.0, 30.0)
+    # computing for ever (a runaway sequence) ends at the timeout, with its blocks reported
+    endless = _Drain(blocks=[12.0], busy=[float(t) for t in range(1000)])
+    assert endless.wait(stall_s=30.0, timeout_s=120.0) == (12.0, 120.0)
+
+
+def test_an_idle_server_is_not_waited_for() -> None:
+    assert _Drain(blocks=[0.0], busy=[3.0]).wait() == (0.0, 0.0)
