@@ -5,6 +5,7 @@ Labels identify the model and instance, never the request.
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import time
 from collections import Counter
@@ -357,8 +358,25 @@ class AdmissionMetrics:
         self._rejected(reason, tenant).increment(1)
 
 
+def _immortal(obj: object) -> None:
+    """Hold one reference to `obj` that is never given back: it is not destroyed, not even when
+    the stub's interpreter shuts down."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+
+
+# Every metric family and metric this stub made, kept for the life of the process and beyond:
+# a metric object destroyed in a stub deletes its series in tritonserver, and a series is
+# shared by every stub that made one with the same name and labels. Triton 2.51 counts the
+# references per stub, so the first stub to let go frees the series while the others still
+# write to it: a reloaded instance's predecessor, shutting down after the new one started (the
+# same instance name), made the new one write to freed memory in tritonserver. Shown with two
+# models and one label set: once one deleted its metric, the series left the metrics port and
+# the other's updates went nowhere (docs/platform.md). So nothing is ever deleted; a retired
+# instance zeroes its gauges instead (EngineMetrics.retire).
 _families: dict[str, Any] = {}
 _metrics: dict[tuple[str, frozenset[tuple[str, str]]], Metric] = {}
+_immortal(_families)
+_immortal(_metrics)
 # The stub's metric calls are not thread-safe: concurrent updates from request threads corrupt
 # the message the server reads and crash tritonserver (seen with 10 concurrent requests).
 _lock = threading.Lock()
