@@ -368,11 +368,12 @@ def _immortal(obj: object) -> None:
 # a metric object destroyed in a stub deletes its series in tritonserver, and a series is
 # shared by every stub that made one with the same name and labels. Triton 2.51 counts the
 # references per stub, so the first stub to let go frees the series while the others still
-# write to it: a reloaded instance's predecessor, shutting down after the new one started (the
-# same instance name), made the new one write to freed memory in tritonserver. Shown with two
-# models and one label set: once one deleted its metric, the series left the metrics port and
-# the other's updates went nowhere (docs/platform.md). So nothing is ever deleted; a retired
-# instance zeroes its gauges instead (EngineMetrics.retire).
+# write to it: a reloaded instance's predecessor (same instance name, same labels) destroying
+# its metrics as it exits after the new one started leaves the new one writing to freed memory
+# in tritonserver. Shown with two models and one label set: once one deleted its metric and
+# family, the series left the metrics port and the other's updates went nowhere
+# (docs/platform.md). So nothing is ever deleted; a retired instance zeroes its gauges instead
+# (EngineMetrics.retire).
 _families: dict[str, Any] = {}
 _metrics: dict[tuple[str, frozenset[tuple[str, str]]], Metric] = {}
 _immortal(_families)
