@@ -28,6 +28,9 @@ API_KEY_ENV = "LLM_API_KEY"
 # server reaches engine groups on other servers only; an `aggregated` server is a whole server
 # with the worker group alone (one engine instead of three: no prefill and decode).
 ROLE_ENV = "LLM_ROLE"
+# "1": clients may inject faults (the `kv_fault` and `engine_fault` request parameters, for drills
+# and tests); anything else refuses them by name. Off unless the server is started with it.
+FAULT_INJECTION_ENV = "LLM_FAULT_INJECTION"
 ROLES = ("all", "front", "prefill", "decode", "worker", "aggregated")
 ENGINE_GROUPS = ("worker", "prefill", "decode")
 # The engine groups a role's server runs beside its front; other groups of its front, if any,

@@ -28,6 +28,7 @@ from python_backends import procfs
 from python_backends.config import (
     API_KEY_ENV,
     API_KEY_HEADER,
+    FAULT_INJECTION_ENV,
     FRONT_LOCAL_GROUPS,
     GRPC_API_KEY_HEADER,
     ROLE_ENV,
@@ -148,6 +149,8 @@ class ServerOptions:
     # A front's engine groups on other servers: group -> "host:port,..." or "dns:NAME:PORT"
     # (front.remote), passed to its front model as REMOTE_GROUP_ENVS.
     remote_groups: tuple[tuple[str, str], ...] = ()
+    # Clients may inject faults (`kv_fault`, `engine_fault`): for drills, the soak and the tests.
+    fault_injection: bool = False
 
     def __post_init__(self) -> None:
         if self.role not in ROLE_MODELS:
@@ -160,8 +163,8 @@ class ServerOptions:
 
     def env(self) -> dict[str, str]:
         """What the server's models read from their environment: the role, the remote groups,
-        the API key their calls to other servers carry."""
-        env = {ROLE_ENV: self.role}
+        the API key their calls to other servers carry, whether faults may be injected."""
+        env = {ROLE_ENV: self.role, FAULT_INJECTION_ENV: "1" if self.fault_injection else "0"}
         env.update((REMOTE_GROUP_ENVS[group], spec) for group, spec in self.remote_groups)
         if self.api_key:
             env[API_KEY_ENV] = self.api_key
@@ -403,6 +406,10 @@ def _parser() -> argparse.ArgumentParser:
         ap.add_argument(f"--{group}-servers", default=os.environ.get(env, ""),
                         help=f"the servers of the {group} group for this server's front: "
                              "host:port,... (gRPC) or dns:NAME:PORT")
+    ap.add_argument("--fault-injection", action="store_true",
+                    default=os.environ.get(FAULT_INJECTION_ENV) == "1",
+                    help="let clients inject faults with the kv_fault and engine_fault request "
+                         "parameters (drills; docs/disaggregation.md); refused otherwise")
     ap.add_argument("--gateway-port", type=int,
                     default=int(os.environ.get("LLM_GATEWAY_PORT", GATEWAY_PORT)),
                     help=f"the gateway's port (OpenAI API, docs/gateway.md; {GATEWAY_PORT}); "
@@ -420,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
             api_key=args.api_key, model_control=args.model_control, role=args.role,
             remote_groups=tuple((g, getattr(args, f"{g}_servers")) for g in REMOTE_GROUP_ENVS
                                 if getattr(args, f"{g}_servers")),
-            extra_args=tuple(args.extra),
+            extra_args=tuple(args.extra), fault_injection=args.fault_injection,
         )
     except ServerError as e:
         print(f"[serve] error: {e}", file=sys.stderr, flush=True)

@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         log = args.log or Path(tmp) / "server.log"
         opts = ServerOptions(http_port=free_port(), grpc_port=free_port(),
                              metrics_port=free_port(), engine_dir=args.engine_dir,
-                             log_file=log, exit_timeout_s=30)
+                             log_file=log, exit_timeout_s=30, fault_injection=True)
         print(f"[soak] starting a server on 127.0.0.1:{opts.http_port} (log: {log}) ...",
               flush=True)
         with TritonServer(opts) as triton:

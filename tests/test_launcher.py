@@ -90,7 +90,16 @@ def test_roles_are_checked_and_reach_the_models_environment() -> None:
     front = ServerOptions(role="front", api_key="k",
                           remote_groups=(("prefill", "a:1,b:2"), ("decode", "dns:decode:8001")))
     assert front.env() == {"LLM_ROLE": "front", "LLM_PREFILL_SERVERS": "a:1,b:2",
-                           "LLM_DECODE_SERVERS": "dns:decode:8001", "LLM_API_KEY": "k"}
+                           "LLM_DECODE_SERVERS": "dns:decode:8001", "LLM_API_KEY": "k",
+                           "LLM_FAULT_INJECTION": "0"}
+
+
+def test_fault_injection_is_off_unless_asked_for() -> None:
+    # explicit either way: a variable left in the launching shell does not turn it on
+    assert ServerOptions().env()["LLM_FAULT_INJECTION"] == "0"
+    assert ServerOptions(fault_injection=True).env()["LLM_FAULT_INJECTION"] == "1"
+    assert not launcher._parser().parse_args([]).fault_injection
+    assert launcher._parser().parse_args(["--fault-injection"]).fault_injection
 
 
 def test_the_restart_budget_counts_within_its_window() -> None:

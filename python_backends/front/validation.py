@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from python_backends.config import EngineLimits
+from python_backends.config import FAULT_INJECTION_ENV, EngineLimits
 from python_backends.kv_transfer import TRANSPORTS
 from python_backends.params import SamplingParams
 from python_backends.wire import CLIENT_INPUTS, DEFAULT_TENANT, GenerationRequest, Kind
@@ -57,6 +57,7 @@ ROUTES = ("auto", "aggregated", "disaggregated")
 KV_TRANSPORTS = TRANSPORTS
 KV_FAULTS = ("transfer_error", "expire_lease")
 ENGINE_FAULTS = ("error_after_first_token",)
+FAULT_PARAMETERS = ("kv_fault", "engine_fault")  # refused unless the server allows faults
 ROUTING_PARAMETERS = {"route": ROUTES, "kv_transport": KV_TRANSPORTS, "kv_fault": KV_FAULTS,
                       "engine_fault": ENGINE_FAULTS}
 
@@ -102,9 +103,15 @@ def parse_request(
     limits: EngineLimits,
     eos_ids: tuple[int, ...],
     vocab_size: int | None = None,
+    faults_allowed: bool = False,
 ) -> GenerationRequest:
-    """Validate ensemble inputs and tokenize the prompt and word lists."""
+    """Validate ensemble inputs and tokenize the prompt and word lists. `faults_allowed`: the
+    server lets clients inject faults (FAULT_PARAMETERS; config.FAULT_INJECTION_ENV)."""
     _check_names(inputs, parameters)
+    if not faults_allowed and (fault := next((f for f in FAULT_PARAMETERS if f in parameters),
+                                             None)):
+        raise InvalidRequest(fault, f"fault injection is off on this server (a server started "
+                                    f"with {FAULT_INJECTION_ENV}=1 allows it)")
     text = _prompt_text(inputs, limits)
     v = {name: _scalar(name, kind, inputs[name])
          for name, kind in SCALAR_INPUTS.items() if name in inputs}

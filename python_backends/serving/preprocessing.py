@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 from transformers import AutoTokenizer
 
-from python_backends.config import EngineConfig
+from python_backends.config import FAULT_INJECTION_ENV, EngineConfig
 from python_backends.diagnostics import enable_stack_dumps
 from python_backends.front.validation import InvalidRequest, parse_request
 from python_backends.serving.common import ModelArgs, error_response, inputs_of, response
@@ -20,6 +21,7 @@ class PreprocessingModel:
         engine_dir = ModelArgs(args).engine_dir()
         self.config = EngineConfig.load(engine_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(str(engine_dir))
+        self.faults_allowed = os.environ.get(FAULT_INJECTION_ENV) == "1"
 
     def _tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
@@ -32,6 +34,7 @@ class PreprocessingModel:
                     inputs_of(request), json.loads(request.parameters() or "{}"),
                     self._tokenize, self.config.limits,
                     self.config.tokenizer.eos_token_ids, self.config.model.vocab_size,
+                    self.faults_allowed,
                 )
             except InvalidRequest as e:
                 responses.append(error_response(str(e)))

@@ -203,7 +203,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     log_file = tmp_path_factory.mktemp("triton") / "server.log"
     opts = ServerOptions(
         http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-        engine_dir=ENGINE_DIR, log_file=log_file,
+        engine_dir=ENGINE_DIR, log_file=log_file, fault_injection=True,
         exit_timeout_s=5,  # idle keep-alive connections hold shutdown for the whole timeout
     )
     triton = TritonServer(opts)

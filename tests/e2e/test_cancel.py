@@ -97,7 +97,7 @@ def test_cancellation_storms_leave_nothing_in_flight(tmp_path: Path) -> None:
     log_file = tmp_path / "server.log"
     opts = ServerOptions(http_port=free_port(), grpc_port=free_port(),
                          metrics_port=free_port(), engine_dir=ENGINE_DIR, log_file=log_file,
-                         exit_timeout_s=60)
+                         exit_timeout_s=60, fault_injection=True)
     triton = TritonServer(opts)
     triton.start()
     try:

@@ -2,7 +2,12 @@ import numpy as np
 import pytest
 
 from python_backends.config import EngineLimits
-from python_backends.front.validation import InvalidRequest, parse_request
+from python_backends.front.validation import (
+    ENGINE_FAULTS,
+    KV_FAULTS,
+    InvalidRequest,
+    parse_request,
+)
 from python_backends.wire import GenerationRequest
 
 LIMITS = EngineLimits(max_seq_len=64, max_num_seqs=4, max_num_batched_tokens=64, block_size=4)
@@ -105,6 +110,17 @@ def test_unknown_parameters_are_refused_but_triton_ones_pass() -> None:
     with pytest.raises(InvalidRequest) as e:
         parse({"max_token": 5}, text_input=text("x"))
     assert e.value.field == "max_token"
+
+
+def test_fault_injection_is_refused_by_name_unless_the_server_allows_it() -> None:
+    for name, value in (("kv_fault", KV_FAULTS[0]), ("engine_fault", ENGINE_FAULTS[0])):
+        with pytest.raises(InvalidRequest, match="fault injection is off") as e:
+            parse({name: value}, text_input=text("x"))
+        assert e.value.field == name
+        allowed = parse_request({"text_input": text("x")}, {name: value}, tokenize, LIMITS, (2,),
+                                faults_allowed=True)
+        assert getattr(allowed, name) == value
+    assert parse({"route": "aggregated"}, text_input=text("x")).route == "aggregated"
 
 
 def test_cache_salt_from_input_or_parameter() -> None:
