@@ -199,7 +199,7 @@ class Soak:
     def _report(self, elapsed: float, clients_stuck: bool) -> dict[str, Any]:
         died = not self.server_alive()
         metrics, drained_s = ({}, 0.0) if died else self._metrics_once_idle()
-        held = metric_sum(metrics, "llm_kv_cache_blocks_used")
+        held = metric_sum(metrics, BLOCKS_METRIC)
         if not died:
             self.memory.sample(self.server_pid)
         report: dict[str, Any] = {
@@ -239,6 +239,7 @@ class Soak:
 DRAIN_STALL_S = 30.0  # no engine computed for this long: what is held now stays held
 DRAIN_TIMEOUT_S = 600.0  # the longest the soak waits for its abandoned requests to end
 BUSY_METRIC = "llm_engine_busy_seconds_total"
+BLOCKS_METRIC = "llm_kv_cache_blocks_used"
 
 
 def wait_engines_idle(
@@ -252,7 +253,7 @@ def wait_engines_idle(
     start = last_progress = clock()
     metrics = scrape_metrics()
     busy = metric_sum(metrics, BUSY_METRIC)
-    while metric_sum(metrics, "llm_kv_cache_blocks_used") and (
+    while metric_sum(metrics, BLOCKS_METRIC) and (
             clock() - start < timeout_s and clock() - last_progress < stall_s):
         sleep(poll_s)
         metrics = scrape_metrics()
@@ -273,7 +274,7 @@ def held_by_instance(metrics: dict[str, Any]) -> dict[str, dict[str, float]]:
         return {dict(labels).get("instance", "?"): value
                 for labels, value in metrics.get(name, {}).items()}
 
-    held = {i: v for i, v in by_instance("llm_kv_cache_blocks_used").items() if v}
+    held = {i: v for i, v in by_instance(BLOCKS_METRIC).items() if v}
     gauges = {name: by_instance(name) for name in HOLDER_GAUGES}
     return {i: {"blocks": v, **{name.removeprefix("llm_"): gauges[name].get(i, float("nan"))
                                 for name in HOLDER_GAUGES}}

@@ -57,9 +57,9 @@ ROUTES = ("auto", "aggregated", "disaggregated")
 KV_TRANSPORTS = TRANSPORTS
 KV_FAULTS = ("transfer_error", "expire_lease")
 ENGINE_FAULTS = ("error_after_first_token",)
-FAULT_PARAMETERS = ("kv_fault", "engine_fault")  # refused unless the server allows faults
-ROUTING_PARAMETERS = {"route": ROUTES, "kv_transport": KV_TRANSPORTS, "kv_fault": KV_FAULTS,
-                      "engine_fault": ENGINE_FAULTS}
+# refused unless the server allows faults (config.FAULT_INJECTION_ENV)
+FAULT_PARAMETERS = {"kv_fault": KV_FAULTS, "engine_fault": ENGINE_FAULTS}
+ROUTING_PARAMETERS = {"route": ROUTES, "kv_transport": KV_TRANSPORTS, **FAULT_PARAMETERS}
 
 # (text, add_special_tokens) -> token ids
 Tokenize = Callable[[str, bool], list[int]]

@@ -20,7 +20,7 @@ import pytest
 import requests
 
 from python_backends.client import metric_sum
-from python_backends.front.validation import ENGINE_FAULTS, KV_FAULTS
+from python_backends.front.validation import FAULT_PARAMETERS
 from python_backends.launcher import ServerOptions, TritonServer, free_port
 from python_backends.watchdog import live_stubs
 from tests.e2e.conftest import (
@@ -91,7 +91,8 @@ def long_reference() -> Reference:
 def test_a_server_started_as_operators_do_refuses_injected_faults(
         us_servers: list[TritonServer]) -> None:
     # the us servers are started without fault injection (the session's server has it on)
-    for name, value in (("kv_fault", KV_FAULTS[0]), ("engine_fault", ENGINE_FAULTS[0])):
+    for name, values in FAULT_PARAMETERS.items():
+        value = values[0]
         r = requests.post(f"{us_servers[0].options.http_url}/v2/models/ensemble/generate",
                           json={"text_input": "Hi", "max_tokens": 2, name: value}, timeout=60)
         assert r.status_code == 400, r.text

@@ -2,12 +2,7 @@ import numpy as np
 import pytest
 
 from python_backends.config import EngineLimits
-from python_backends.front.validation import (
-    ENGINE_FAULTS,
-    KV_FAULTS,
-    InvalidRequest,
-    parse_request,
-)
+from python_backends.front.validation import FAULT_PARAMETERS, InvalidRequest, parse_request
 from python_backends.wire import GenerationRequest
 
 LIMITS = EngineLimits(max_seq_len=64, max_num_seqs=4, max_num_batched_tokens=64, block_size=4)
@@ -113,7 +108,8 @@ def test_unknown_parameters_are_refused_but_triton_ones_pass() -> None:
 
 
 def test_fault_injection_is_refused_by_name_unless_the_server_allows_it() -> None:
-    for name, value in (("kv_fault", KV_FAULTS[0]), ("engine_fault", ENGINE_FAULTS[0])):
+    for name, values in FAULT_PARAMETERS.items():
+        value = values[0]
         with pytest.raises(InvalidRequest, match="fault injection is off") as e:
             parse({name: value}, text_input=text("x"))
         assert e.value.field == name
