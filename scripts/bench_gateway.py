@@ -14,7 +14,19 @@ Printed per way: TTFT p50 and p95, and the mean time between streamed tokens (p5
 requests); then the gateway's additions against Triton's endpoints, and the gateway's own CPU
 time per streamed token (what it takes from the engines on a machine with few cores).
 
+Those differences are between rounds, so the engine's round-to-round noise (tens of ms here)
+hides what the gateway adds. The paired measurement that follows sees that alone:
+--concurrency / 2 slots each send --pairs-per-slot pairs one after the other, one request of
+each pair to Triton's gRPC stream and its twin (the same inputs, a cache salt of its own, so
+neither reads the other's prefix) through the gateway, `proxied` and `openai` in turn; the
+slots drift apart, so requests arrive at any point of the engine's steps, as under a steady
+load. Twins share the engine's steps, so the difference between them is the gateway's path:
+its added TTFT, the delay it adds to each streamed token's arrival and the change of the time
+between tokens, p50 over pairs. --gateway-cpus gives the gateway cores of its own (the server
+and this client share the others), as in front of servers and clients on other machines.
+
     python scripts/bench_gateway.py [--concurrency 32] [--max-tokens 32] [--rounds 3]
+                                    [--pairs-per-slot 13] [--gateway-cpus 1]
 """
 
 from __future__ import annotations
@@ -22,10 +34,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import queue
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -35,7 +49,7 @@ from typing import Any
 import requests
 import tritonclient.grpc as grpcclient
 
-from python_backends.client import percentile
+from python_backends.client import histogram_mean, percentile, scrape
 from python_backends.config import DEFAULT_ENGINE_DIR
 from python_backends.gateway.triton import ENSEMBLE, ensemble_inputs
 from python_backends.launcher import ServerOptions, TritonServer, start_gateway, stop_process
@@ -123,6 +137,145 @@ def run_round(one: Callable[[int], Sample], concurrency: int, offset: int) -> li
         return list(pool.map(one, range(offset, offset + concurrency)))
 
 
+# one request of a pair: when it was sent and when each of its events arrived (perf_counter)
+Timeline = tuple[float, list[float]]
+Twin = Callable[[int, threading.Barrier], Timeline]
+
+
+def kserve_twin(url: str, max_tokens: int) -> Twin:
+    def one(i: int, go: threading.Barrier) -> Timeline:
+        body = {**twin_inputs(i, max_tokens, "gateway"), "end_id": -1}
+        with requests.Session() as session:
+            go.wait()
+            start = time.perf_counter()
+            with session.post(f"{url}/v2/models/ensemble/generate_stream", json=body,
+                              stream=True, timeout=600) as r:
+                r.raise_for_status()
+                return start, [time.perf_counter() for _ in sse_events(r)]
+
+    return one
+
+
+def openai_twin(url: str, max_tokens: int) -> Twin:
+    def one(i: int, go: threading.Barrier) -> Timeline:
+        inputs = twin_inputs(i, max_tokens, "gateway")
+        body = {"model": "smollm2", "prompt": inputs["text_input"], "max_tokens": max_tokens,
+                "temperature": 0, "stream": True, "cache_salt": inputs["cache_salt"]}
+        with requests.Session() as session:
+            go.wait()
+            start = time.perf_counter()
+            with session.post(f"{url}/v1/completions", json=body, stream=True,
+                              timeout=600) as r:
+                r.raise_for_status()
+                return start, [time.perf_counter() for _ in sse_events(r)]
+
+    return one
+
+
+def grpc_twin(address: str, max_tokens: int, end_id: bool) -> Twin:
+    """The twin on Triton's gRPC stream; `end_id`: ignore the end token, as the KServe twin
+    asks (OpenAI has no such field)."""
+    def one(i: int, go: threading.Barrier) -> Timeline:
+        inputs = twin_inputs(i, max_tokens, "direct")
+        if end_id:
+            inputs["end_id"] = -1
+        events: queue.Queue[tuple[float, Any, Any]] = queue.Queue()
+        client = grpcclient.InferenceServerClient(address)
+        client.start_stream(callback=lambda result, error: events.put(
+            (time.perf_counter(), result, error)))
+        try:
+            tensors = ensemble_inputs(inputs)
+            go.wait()
+            start = time.perf_counter()
+            client.async_stream_infer(ENSEMBLE, tensors)
+            times: list[float] = []
+            while True:
+                at, result, error = events.get(timeout=600)
+                if error is not None:
+                    raise RuntimeError(f"gRPC stream failed: {error}")
+                times.append(at)
+                if result.as_numpy("finish_reason").reshape(-1)[0]:
+                    return start, times
+        finally:
+            client.stop_stream()
+            client.close()
+
+    return one
+
+
+def twin_inputs(i: int, max_tokens: int, side: str) -> dict[str, Any]:
+    """A pair's inputs: one prompt, greedy, a cache salt per request."""
+    return {"text_input": PROMPT.format(i=i), "max_tokens": max_tokens, "stream": True,
+            "temperature": 0.0, "cache_salt": f"{side}-{i}"}
+
+
+def measure_pairs(ways: dict[str, tuple[Twin, Twin]], concurrency: int,
+                  per_slot: int) -> dict[str, list[tuple[Timeline, Timeline]]]:
+    """concurrency / 2 slots, each sending `per_slot` pairs one after the other, the ways in
+    turn; a pair's twins are sent at once (a barrier), the slots drift apart as they go, so
+    requests arrive at any point of the engine's steps, as a steady load does. A slot's first
+    pair is left out: all slots start it at the same moment, on an idle engine."""
+    names = list(ways)
+    results: dict[str, list[tuple[Timeline, Timeline]]] = {name: [] for name in ways}
+    lock = threading.Lock()
+
+    def slot(k: int) -> None:
+        go = threading.Barrier(2)
+        with ThreadPoolExecutor(2) as twins:
+            for j in range(per_slot):
+                name = names[(k + j) % len(names)]
+                direct, gateway = ways[name]
+                i = 10_000 + k * per_slot + j
+                d, g = twins.submit(direct, i, go), twins.submit(gateway, i, go)
+                pair = (d.result(timeout=900), g.result(timeout=900))
+                if j:
+                    with lock:
+                        results[name].append(pair)
+
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(max(1, concurrency // 2)) as pool:
+        for f in [pool.submit(slot, k) for k in range(max(1, concurrency // 2))]:
+            f.result()
+    print(f"[bench] paired: {time.monotonic() - t0:5.1f} s", flush=True)
+    return results
+
+
+def pair_deltas(pairs: list[tuple[Timeline, Timeline]]) -> dict[str, float]:
+    """What the gateway added, p50 over pairs: TTFT, each token's arrival (pairs whose streams
+    have as many events), the mean time between tokens."""
+    ttft, arrival, gap = [], [], []
+    for (d_start, d), (g_start, g) in pairs:
+        ttft.append((g[0] - g_start) - (d[0] - d_start))
+        if len(d) == len(g) > 1:
+            arrival.append(statistics.median(b - a for a, b in zip(d, g, strict=True)))
+            gap.append((g[-1] - g[0] - (d[-1] - d[0])) / (len(g) - 1))
+    ms = 1000
+    firsts = [(d[0] - d_start, g[0] - g_start) for (d_start, d), (g_start, g) in pairs]
+    return {"pairs": len(pairs), "matched": len(arrival),
+            "ttft_direct_p50_ms": ms * percentile([d for d, _ in firsts], 0.5),
+            "ttft_gateway_p50_ms": ms * percentile([g for _, g in firsts], 0.5),
+            "ttft_p50_ms": ms * percentile(ttft, 0.5), "ttft_p95_ms": ms * percentile(ttft, 0.95),
+            "arrival_p50_ms": ms * percentile(arrival, 0.5),
+            "itl_p50_ms": ms * percentile(gap, 0.5)}
+
+
+def report_pairs(results: dict[str, list[tuple[Timeline, Timeline]]],
+                 args: argparse.Namespace) -> None:
+    print(f"\npaired: {args.concurrency // 2} slots sending {args.pairs_per_slot} pairs each "
+          "(Triton gRPC and the gateway, the same inputs, sent at once)")
+    print(f"{'way':<8} {'pairs':>6} {'TTFT p50 grpc/gateway':>22} {'TTFT +p50':>10} "
+          f"{'TTFT +p95':>10} {'token arrival +p50':>19} {'ms/token +p50':>14}")
+    for name, pairs in results.items():
+        if not pairs:
+            continue
+        d = pair_deltas(pairs)
+        both = f"{d['ttft_direct_p50_ms']:.1f} / {d['ttft_gateway_p50_ms']:.1f}"
+        print(f"{name:<8} {d['pairs']:>6} {both:>22} "
+              f"{d['ttft_p50_ms']:>9.2f}  {d['ttft_p95_ms']:>9.2f}  "
+              f"{d['arrival_p50_ms']:>18.2f}  {d['itl_p50_ms']:>13.3f}"
+              f"   ({d['matched']} with as many events)")
+
+
 def summary(samples: list[Sample]) -> dict[str, float]:
     ttfts = [s[0] for s in samples]
     gaps = [statistics.mean(s[1]) for s in samples if s[1]]
@@ -137,16 +290,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--pairs-per-slot", type=int, default=13)
+    p.add_argument("--gateway-cpus", default="",
+                   help="CPUs for the gateway alone (e.g. 1), the others for the Triton server "
+                   "and this client: a gateway with cores of its own, as in front of servers "
+                   "and clients on other machines")
     p.add_argument("--engine", type=Path, default=Path(DEFAULT_ENGINE_DIR))
     args = p.parse_args(argv)
+    gateway_cpus, server_cpus = split_cpus(p, args.gateway_cpus)
+    # This client's 32 threads take each event's time as they get the GIL: hand it over
+    # sooner than the default 5 ms, for both ways alike.
+    sys.setswitchinterval(0.0002)
     with tempfile.TemporaryDirectory(prefix="bench-gateway-") as tmp:
         opts = ServerOptions(http_port=free_port(), grpc_port=free_port(),
                              metrics_port=free_port(), engine_dir=args.engine,
                              log_file=Path(tmp) / "server.log")
+        os.sched_setaffinity(0, server_cpus)  # the server's processes inherit it
         with TritonServer(opts) as server:
             server.wait_ready(timeout_s=600, progress=True)
+            os.sched_setaffinity(0, gateway_cpus)  # the gateway inherits it
             port = free_port()
             gateway = start_gateway(opts, port)
+            os.sched_setaffinity(0, server_cpus)  # this client: the gateway's core is its own
             try:
                 gw = f"http://127.0.0.1:{port}"
                 ways = {"direct": kserve(opts.http_url, args.max_tokens),
@@ -155,10 +320,35 @@ def main(argv: list[str] | None = None) -> int:
                         "openai": openai(gw, args.max_tokens)}
                 results, cpu = measure(ways, args.concurrency, args.rounds,
                                        lambda: cpu_seconds(gateway.pid))
+                twins = {"proxied": (grpc_twin(opts.grpc_address, args.max_tokens, True),
+                                     kserve_twin(gw, args.max_tokens)),
+                         "openai": (grpc_twin(opts.grpc_address, args.max_tokens, False),
+                                    openai_twin(gw, args.max_tokens))}
+                paired = measure_pairs(twins, args.concurrency, args.pairs_per_slot)
+                handoff = histogram_mean({}, scrape(f"{gw}/metrics"),
+                                         "gateway_request_overhead_seconds")
             finally:
                 stop_process(gateway)
     report(results, cpu, args)
+    report_pairs(paired, args)
+    if handoff is not None:
+        print(f"the gateway's own hand-off time (arrival to the gRPC call: parsing, routing), "
+              f"mean over all requests: {1000 * handoff:.2f} ms")
     return 0
+
+
+def split_cpus(p: argparse.ArgumentParser, spec: str) -> tuple[set[int], set[int]]:
+    """(the gateway's CPUs, the server's) from --gateway-cpus; all of them for both if empty."""
+    every = os.sched_getaffinity(0)
+    if not spec:
+        return every, every
+    try:
+        gateway = {int(c) for c in spec.split(",")}
+    except ValueError:
+        p.error(f"--gateway-cpus: expected CPU numbers like 1 or 2,3, got {spec!r}")
+    if not gateway < every:
+        p.error(f"--gateway-cpus {spec}: leave the server at least one of CPUs {sorted(every)}")
+    return gateway, every - gateway
 
 
 def measure(ways: dict[str, Callable[[int], Sample]], concurrency: int, rounds: int,
@@ -181,10 +371,13 @@ def measure(ways: dict[str, Callable[[int], Sample]], concurrency: int, rounds: 
 def report(results: dict[str, list[Sample]], cpu: dict[str, float],
            args: argparse.Namespace) -> None:
     print(f"\nconcurrency {args.concurrency}, {args.max_tokens} tokens a request, "
-          f"{args.rounds} rounds (interleaved)")
+          f"{args.rounds} rounds (interleaved)"
+          + (f", the gateway on CPUs {args.gateway_cpus}" if args.gateway_cpus else ""))
     print(f"{'way':<8} {'TTFT p50':>9} {'TTFT p95':>9} {'ms/token':>9} "
           f"{'gateway CPU ms/token':>21}")
-    rows = {name: summary(samples) for name, samples in results.items()}
+    rows = {name: summary(samples) for name, samples in results.items() if samples}
+    if not rows:
+        return
     for name, row in rows.items():
         tokens = sum(len(gaps) + 1 for _, gaps in results[name])
         print(f"{name:<8} {row['ttft_p50_ms']:>8.1f}  {row['ttft_p95_ms']:>8.1f}  "

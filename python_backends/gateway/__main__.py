@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"[gateway] serving '{config.model}' from {len(config.backends)} server(s) on "
           f"http://{args.host}:{args.port}/v1", flush=True)
-    uvicorn.run(create_app(config), host=args.host, port=args.port,
+    uvicorn.run(create_app(config), host=args.host, port=args.port, http="httptools",
                 log_level=args.log_level.lower(), access_log=False)
     return 0
 

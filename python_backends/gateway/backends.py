@@ -24,6 +24,12 @@ from python_backends.wire import FRONT_START_METRIC
 
 log = logging.getLogger(__name__)
 TTFT_WINDOW_S = 60.0  # latency-aware routing reads each server's TTFT p95 over this window
+TTFT_METRIC = "llm_time_to_first_token_seconds"
+# The families the gateway reads of a server's scrape. The scrape is parsed on the event loop
+# that relays every token, and Triton's own families are most of it.
+READ_METRICS = ("llm_engine_healthy", "llm_kv_cache_usage_ratio", "llm_num_requests_waiting",
+                "llm_num_requests_running", "llm_kv_cache_blocks_used", TTFT_METRIC,
+                FRONT_START_METRIC)
 
 
 class Backend:
@@ -46,7 +52,7 @@ class Backend:
         if len(self._history) < 2:
             return None
         return histogram_quantile(0.95, self._history[0][1], self._history[-1][1],
-                                  "llm_time_to_first_token_seconds")
+                                  TTFT_METRIC)
 
     def view(self, now: float, unhealthy_after_s: float) -> ServerView:
         m = self.metrics
@@ -93,7 +99,7 @@ class Backend:
         if ready and not self.ready:
             log.info("backend %s is ready", self.name)
         self.ready = bool(ready)
-        self.metrics = parse_metrics(text)
+        self.metrics = parse_metrics(text, READ_METRICS)
         self.last_answer = now = time.monotonic()
         self._history.append((now, self.metrics))
         # keep one scrape at or before the window's start, as the baseline of the deltas
