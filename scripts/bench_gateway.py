@@ -59,16 +59,16 @@ from python_backends.procfs import cpu_seconds
 PROMPT = "Write a long story about a lighthouse keeper and the sea. Chapter {i}:"
 # one streamed request: (seconds to its first token, seconds between its tokens)
 Sample = tuple[float, list[float]]
+# one request: when it was sent and when each of its events arrived (perf_counter)
+Timeline = tuple[float, list[float]]
+# one request of a pair, sent when the barrier lets both twins go
+Twin = Callable[[int, threading.Barrier], Timeline]
 
 
 def sse_events(r: requests.Response) -> Iterator[dict[str, object]]:
     for line in r.iter_lines():
         if line.startswith(b"data:") and line[5:].strip() != b"[DONE]":
             yield json.loads(line[5:])
-
-
-def timed(events: Iterator[object], start: float) -> Sample:
-    return sample([time.perf_counter() for _ in events], start)
 
 
 def sample(times: list[float], start: float) -> Sample:
@@ -78,15 +78,51 @@ def sample(times: list[float], start: float) -> Sample:
     return times[0] - start, [b - a for a, b in itertools.pairwise(times)]
 
 
+def sse_timeline(url: str, body: dict[str, Any],
+                 go: threading.Barrier | None = None) -> Timeline:
+    """POST `body` to an SSE endpoint (after `go`, when given); when it was sent and when each
+    event arrived."""
+    if go is not None:
+        go.wait()
+    start = time.perf_counter()
+    with requests.post(url, json=body, stream=True, timeout=600) as r:
+        r.raise_for_status()
+        return start, [time.perf_counter() for _ in sse_events(r)]
+
+
+def grpc_timeline(address: str, inputs: dict[str, Any],
+                  go: threading.Barrier | None = None) -> Timeline:
+    """One request on Triton's gRPC stream, as the gateway sends it (a client of its own,
+    connected before `go`): when it was sent and when each response arrived."""
+    events: queue.Queue[tuple[float, Any, Any]] = queue.Queue()
+    client = grpcclient.InferenceServerClient(address)
+    client.start_stream(callback=lambda result, error: events.put(
+        (time.perf_counter(), result, error)))
+    try:
+        tensors = ensemble_inputs(inputs)
+        if go is not None:
+            go.wait()
+        start = time.perf_counter()
+        client.async_stream_infer(ENSEMBLE, tensors)
+        times: list[float] = []
+        while True:
+            at, result, error = events.get(timeout=600)
+            if error is not None:
+                raise RuntimeError(f"gRPC stream failed: {error}")
+            times.append(at)
+            if result.as_numpy("finish_reason").reshape(-1)[0]:
+                return start, times
+    finally:
+        client.stop_stream()
+        client.close()
+
+
 def kserve(url: str, max_tokens: int) -> Callable[[int], Sample]:
     def one(i: int) -> Sample:
         body: dict[str, Any] = {"text_input": PROMPT.format(i=i), "max_tokens": max_tokens,
                                 "stream": True, "end_id": -1}
-        start = time.perf_counter()
-        with requests.post(f"{url}/v2/models/ensemble/generate_stream", json=body,
-                           stream=True, timeout=600) as r:
-            r.raise_for_status()
-            return timed(sse_events(r), start)
+        start, times = sse_timeline(f"{url}/v2/models/ensemble/generate_stream", body)
+        return sample(times, start)
 
     return one
 
@@ -94,27 +130,10 @@ def kserve(url: str, max_tokens: int) -> Callable[[int], Sample]:
 def grpc_stream(address: str, max_tokens: int) -> Callable[[int], Sample]:
     """Triton's gRPC streaming endpoint, as the gateway calls it (one client per request)."""
     def one(i: int) -> Sample:
-        events: queue.Queue[tuple[float, Any, Any]] = queue.Queue()
-        client = grpcclient.InferenceServerClient(address)
-        client.start_stream(callback=lambda result, error: events.put(
-            (time.perf_counter(), result, error)))
-        try:
-            start = time.perf_counter()
-            client.async_stream_infer(ENSEMBLE, ensemble_inputs({
-                "text_input": PROMPT.format(i=i), "max_tokens": max_tokens, "stream": True,
-                "end_id": -1}))
-            times: list[float] = []
-            while True:
-                at, result, error = events.get(timeout=600)
-                if error is not None:
-                    raise RuntimeError(f"gRPC stream failed: {error}")
-                times.append(at)
-                if result.as_numpy("finish_reason").reshape(-1)[0]:
-                    break
-            return sample(times, start)
-        finally:
-            client.stop_stream()
-            client.close()
+        start, times = grpc_timeline(address, {"text_input": PROMPT.format(i=i),
+                                               "max_tokens": max_tokens, "stream": True,
+                                               "end_id": -1})
+        return sample(times, start)
 
     return one
 
@@ -124,10 +143,8 @@ def openai(url: str, max_tokens: int) -> Callable[[int], Sample]:
         # OpenAI has no end_id: the prompt asks for a long answer
         body: dict[str, Any] = {"model": "smollm2", "prompt": PROMPT.format(i=i),
                                 "max_tokens": max_tokens, "temperature": 0, "stream": True}
-        start = time.perf_counter()
-        with requests.post(f"{url}/v1/completions", json=body, stream=True, timeout=600) as r:
-            r.raise_for_status()
-            return timed(sse_events(r), start)
+        start, times = sse_timeline(f"{url}/v1/completions", body)
+        return sample(times, start)
 
     return one
 
@@ -137,21 +154,10 @@ def run_round(one: Callable[[int], Sample], concurrency: int, offset: int) -> li
         return list(pool.map(one, range(offset, offset + concurrency)))
 
 
-# one request of a pair: when it was sent and when each of its events arrived (perf_counter)
-Timeline = tuple[float, list[float]]
-Twin = Callable[[int, threading.Barrier], Timeline]
-
-
 def kserve_twin(url: str, max_tokens: int) -> Twin:
     def one(i: int, go: threading.Barrier) -> Timeline:
         body = {**twin_inputs(i, max_tokens, "gateway"), "end_id": -1}
-        with requests.Session() as session:
-            go.wait()
-            start = time.perf_counter()
-            with session.post(f"{url}/v2/models/ensemble/generate_stream", json=body,
-                              stream=True, timeout=600) as r:
-                r.raise_for_status()
-                return start, [time.perf_counter() for _ in sse_events(r)]
+        return sse_timeline(f"{url}/v2/models/ensemble/generate_stream", body, go)
 
     return one
 
@@ -161,13 +167,7 @@ def openai_twin(url: str, max_tokens: int) -> Twin:
         inputs = twin_inputs(i, max_tokens, "gateway")
         body = {"model": "smollm2", "prompt": inputs["text_input"], "max_tokens": max_tokens,
                 "temperature": 0, "stream": True, "cache_salt": inputs["cache_salt"]}
-        with requests.Session() as session:
-            go.wait()
-            start = time.perf_counter()
-            with session.post(f"{url}/v1/completions", json=body, stream=True,
-                              timeout=600) as r:
-                r.raise_for_status()
-                return start, [time.perf_counter() for _ in sse_events(r)]
+        return sse_timeline(f"{url}/v1/completions", body, go)
 
     return one
 
@@ -179,26 +179,7 @@ def grpc_twin(address: str, max_tokens: int, end_id: bool) -> Twin:
         inputs = twin_inputs(i, max_tokens, "direct")
         if end_id:
             inputs["end_id"] = -1
-        events: queue.Queue[tuple[float, Any, Any]] = queue.Queue()
-        client = grpcclient.InferenceServerClient(address)
-        client.start_stream(callback=lambda result, error: events.put(
-            (time.perf_counter(), result, error)))
-        try:
-            tensors = ensemble_inputs(inputs)
-            go.wait()
-            start = time.perf_counter()
-            client.async_stream_infer(ENSEMBLE, tensors)
-            times: list[float] = []
-            while True:
-                at, result, error = events.get(timeout=600)
-                if error is not None:
-                    raise RuntimeError(f"gRPC stream failed: {error}")
-                times.append(at)
-                if result.as_numpy("finish_reason").reshape(-1)[0]:
-                    return start, times
-        finally:
-            client.stop_stream()
-            client.close()
+        return grpc_timeline(address, inputs, go)
 
     return one
 

@@ -26,7 +26,7 @@ def bench() -> ModuleType:
 
 def test_pairs_give_the_added_ttft_arrival_and_pace(bench: ModuleType) -> None:
     direct = (10.0, [10.100, 10.200, 10.300])
-    # sent 1 ms later, first token 3 ms later, every token 2 ms later on average, pace +0.5 ms
+    # sent 1 ms later, first token 3 ms later, its tokens 4, 1 and 5 ms later, pace +0.5 ms
     gateway = (10.001, [10.104, 10.201, 10.305])
     d = bench.pair_deltas([(direct, gateway)])
     assert d["pairs"] == d["matched"] == 1
