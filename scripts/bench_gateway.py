@@ -71,8 +71,9 @@ def sse_events(r: requests.Response) -> Iterator[dict[str, object]]:
             yield json.loads(line[5:])
 
 
-def sample(times: list[float], start: float) -> Sample:
-    """A stream whose events arrived at `times` (perf_counter), sent at `start`."""
+def sample(timeline: Timeline) -> Sample:
+    """A stream's TTFT and gaps from when it was sent and when its events arrived."""
+    start, times = timeline
     if not times:
         raise RuntimeError("the stream sent nothing")
     return times[0] - start, [b - a for a, b in itertools.pairwise(times)]
@@ -121,8 +122,7 @@ def kserve(url: str, max_tokens: int) -> Callable[[int], Sample]:
     def one(i: int) -> Sample:
         body: dict[str, Any] = {"text_input": PROMPT.format(i=i), "max_tokens": max_tokens,
                                 "stream": True, "end_id": -1}
-        start, times = sse_timeline(f"{url}/v2/models/ensemble/generate_stream", body)
-        return sample(times, start)
+        return sample(sse_timeline(f"{url}/v2/models/ensemble/generate_stream", body))
 
     return one
 
@@ -130,10 +130,9 @@ def kserve(url: str, max_tokens: int) -> Callable[[int], Sample]:
 def grpc_stream(address: str, max_tokens: int) -> Callable[[int], Sample]:
     """Triton's gRPC streaming endpoint, as the gateway calls it (one client per request)."""
     def one(i: int) -> Sample:
-        start, times = grpc_timeline(address, {"text_input": PROMPT.format(i=i),
-                                               "max_tokens": max_tokens, "stream": True,
-                                               "end_id": -1})
-        return sample(times, start)
+        return sample(grpc_timeline(address, {"text_input": PROMPT.format(i=i),
+                                              "max_tokens": max_tokens, "stream": True,
+                                              "end_id": -1}))
 
     return one
 
@@ -143,8 +142,7 @@ def openai(url: str, max_tokens: int) -> Callable[[int], Sample]:
         # OpenAI has no end_id: the prompt asks for a long answer
         body: dict[str, Any] = {"model": "smollm2", "prompt": PROMPT.format(i=i),
                                 "max_tokens": max_tokens, "temperature": 0, "stream": True}
-        start, times = sse_timeline(f"{url}/v1/completions", body)
-        return sample(times, start)
+        return sample(sse_timeline(f"{url}/v1/completions", body))
 
     return one
 
@@ -199,6 +197,7 @@ def measure_pairs(ways: dict[str, tuple[Twin, Twin]], concurrency: int,
     names = list(ways)
     results: dict[str, list[tuple[Timeline, Timeline]]] = {name: [] for name in ways}
     lock = threading.Lock()
+    slots = max(1, concurrency // 2)
 
     def slot(k: int) -> None:
         go = threading.Barrier(2)
@@ -214,8 +213,8 @@ def measure_pairs(ways: dict[str, tuple[Twin, Twin]], concurrency: int,
                         results[name].append(pair)
 
     t0 = time.monotonic()
-    with ThreadPoolExecutor(max(1, concurrency // 2)) as pool:
-        for f in [pool.submit(slot, k) for k in range(max(1, concurrency // 2))]:
+    with ThreadPoolExecutor(slots) as pool:
+        for f in [pool.submit(slot, k) for k in range(slots)]:
             f.result()
     print(f"[bench] paired: {time.monotonic() - t0:5.1f} s", flush=True)
     return results
