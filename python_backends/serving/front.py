@@ -314,8 +314,14 @@ class FrontModel:
             self.prober.discard(link)
             self.board.release(ticket)
             link.first_response()
-        if link.closed and not link.cancelled and state.finish_reason:
+
+    def _deliver(self, link: ClientLink, state: RequestStream, chunk: ClientChunk) -> None:
+        """Send a chunk; the one that finishes the request is counted before it goes out, so a
+        client holding its answer finds the request in the metrics."""
+        final = bool(chunk.finish_reason)
+        if final and not link.cancelled:
             self.metrics.finished(state)
+        link.send(chunk, final=final)
 
     def _route(self, req: GenerationRequest, state: RequestStream, link: ClientLink) -> None:
         if req.resume_ids:  # moved here from another server: an engine computes them with
@@ -348,7 +354,7 @@ class FrontModel:
         link.first_response()
         chunk = state.add([prefilled.token_id], [prefilled.log_prob], prefilled.finish_reason)
         if chunk is not None:
-            link.send(chunk, final=bool(prefilled.finish_reason))
+            self._deliver(link, state, chunk)
         if prefilled.finish_reason:
             return
         if link.check_cancelled():  # the decode step never comes: free the lease now
@@ -492,7 +498,7 @@ class FrontModel:
                     chunk = state.add(step.output_ids, step.output_log_probs,
                                       step.finish_reason)
                     if chunk is not None:
-                        link.send(chunk, final=bool(chunk.finish_reason))
+                        self._deliver(link, state, chunk)
                 elif step.error_kind == ErrorKind.UNAVAILABLE.value:
                     moved = Moved(MigrationReason.ENGINE_UNAVAILABLE, step.error)
                 else:  # keeps the engine's kind: a refusal is the client's mistake

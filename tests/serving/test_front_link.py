@@ -110,6 +110,28 @@ def test_close_sends_the_final_flag_once(front: types.ModuleType) -> None:
     assert [flags for _, flags in sender.sent] == [FINAL]
 
 
+def test_a_finished_request_is_counted_before_its_last_chunk_goes_out(
+    front: types.ModuleType,
+) -> None:
+    sender = Sender()
+    counted: list[int] = []  # how many responses had gone out when the request was counted
+
+    class Metrics:
+        def finished(self, state: object) -> None:
+            counted.append(len(sender.sent))
+
+    deliver = front.FrontModel._deliver
+    owner = types.SimpleNamespace(metrics=Metrics())
+    link = front.ClientLink(sender)
+    deliver(owner, link, None, _chunk([7]))
+    deliver(owner, link, None, _chunk([8], "length"))
+    assert counted == [1] and [flags for _, flags in sender.sent] == [0, FINAL]
+    cancelled = front.ClientLink(Sender())
+    cancelled.cancelled = True
+    deliver(owner, cancelled, None, _chunk([9], "stop"))
+    assert counted == [1]  # a request its client cancelled is not counted as finished
+
+
 class FreedSender(Sender):
     """Triton 2.51 frees a response sender with its final response: asking it is a segfault."""
 
