@@ -46,12 +46,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import grpc
 import requests
-import tritonclient.grpc as grpcclient
+from tritonclient.grpc import service_pb2_grpc
 
 from python_backends.client import histogram_mean, percentile, scrape
 from python_backends.config import DEFAULT_ENGINE_DIR
-from python_backends.gateway.triton import ENSEMBLE, ensemble_inputs
+from python_backends.gateway.triton import ensemble_request, read_piece
 from python_backends.launcher import ServerOptions, TritonServer, start_gateway, stop_process
 from python_backends.net import free_port
 from python_backends.procfs import cpu_seconds
@@ -93,29 +94,29 @@ def sse_timeline(url: str, body: dict[str, Any],
 
 def grpc_timeline(address: str, inputs: dict[str, Any],
                   go: threading.Barrier | None = None) -> Timeline:
-    """One request on Triton's gRPC stream, as the gateway sends it (a client of its own,
-    connected before `go`): when it was sent and when each response arrived."""
-    events: queue.Queue[tuple[float, Any, Any]] = queue.Queue()
-    client = grpcclient.InferenceServerClient(address)
-    client.start_stream(callback=lambda result, error: events.put(
-        (time.perf_counter(), result, error)))
-    try:
-        tensors = ensemble_inputs(inputs)
-        if go is not None:
-            go.wait()
-        start = time.perf_counter()
-        client.async_stream_infer(ENSEMBLE, tensors)
-        times: list[float] = []
-        while True:
-            at, result, error = events.get(timeout=600)
-            if error is not None:
-                raise RuntimeError(f"gRPC stream failed: {error}")
-            times.append(at)
-            if result.as_numpy("finish_reason").reshape(-1)[0]:
-                return start, times
-    finally:
-        client.stop_stream()
-        client.close()
+    """One request on Triton's gRPC stream, built as the gateway builds it (a stream of its
+    own, opened before `go`): when it was sent and when each response arrived."""
+    outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+    with grpc.insecure_channel(address) as channel:
+        responses = service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(
+            iter(outbox.get, None))
+        try:
+            request = ensemble_request(inputs, {})
+            if go is not None:
+                go.wait()
+            start = time.perf_counter()
+            outbox.put(request)
+            times: list[float] = []
+            for response in responses:
+                times.append(time.perf_counter())
+                if response.error_message:
+                    raise RuntimeError(f"gRPC stream failed: {response.error_message}")
+                if read_piece(response.infer_response).finish_reason:
+                    return start, times
+            raise RuntimeError("the gRPC stream ended before the request finished")
+        finally:
+            outbox.put(None)
+            responses.cancel()
 
 
 def kserve(url: str, max_tokens: int) -> Callable[[int], Sample]:

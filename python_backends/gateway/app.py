@@ -1,4 +1,4 @@
-"""The gateway's HTTP API (FastAPI): OpenAI's /v1 endpoints, Triton's KServe generate
+"""The gateway's HTTP API (Starlette): OpenAI's /v1 endpoints, Triton's KServe generate
 endpoints proxied with meaningful statuses, /health and /metrics. docs/gateway.md describes
 them; gateway.service decides who serves what."""
 
@@ -14,8 +14,11 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
 from python_backends.gateway.backends import BackendPool
 from python_backends.gateway.config import GatewayConfig
@@ -24,6 +27,7 @@ from python_backends.gateway.metrics import GatewayMetrics
 from python_backends.gateway.protocol import Generation, parse_chat, parse_completion
 from python_backends.gateway.responses import Answer
 from python_backends.gateway.service import BackendRequest, Call, Gateway
+from python_backends.gateway.sse import EventStream
 from python_backends.gateway.stops import StopMatcher
 from python_backends.gateway.triton import ENSEMBLE, Piece
 from python_backends.wire import CLIENT_INPUTS
@@ -43,7 +47,7 @@ class Delta:
     finish_reason: str | None
 
 
-def create_app(config: GatewayConfig, tokenizer: Any = None) -> FastAPI:
+def create_app(config: GatewayConfig, tokenizer: Any = None) -> Starlette:
     if tokenizer is None:
         from transformers import AutoTokenizer
 
@@ -53,58 +57,57 @@ def create_app(config: GatewayConfig, tokenizer: Any = None) -> FastAPI:
     gw.metrics.register(pool)
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await pool.start()
         yield
         await pool.close()
 
-    app = FastAPI(title="python-backends gateway", lifespan=lifespan, docs_url=None,
-                  redoc_url=None, openapi_url=None)
-    app.state.gateway = gw
-
-    @app.exception_handler(ApiError)
-    async def api_error(request: Request, e: ApiError) -> JSONResponse:
+    async def api_error(request: Request, e: Exception) -> Response:
+        if isinstance(e, HTTPException):  # no such path (404) or method (405)
+            e = ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}")
+        assert isinstance(e, ApiError)
         body = {"error": e.message} if request.url.path.startswith("/v2/") else e.body()
         return JSONResponse(body, status_code=e.status)
 
-    _routes(app, gw)
-    return app
+    return Starlette(routes=_routes(gw), lifespan=lifespan,
+                     exception_handlers={ApiError: api_error, HTTPException: api_error})
 
 
-def _routes(app: FastAPI, gw: Gateway) -> None:
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [_model_card(gw)]}
+def _routes(gw: Gateway) -> list[Route]:
+    async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [_model_card(gw)]})
 
-    @app.get("/v1/models/{model}")
-    async def model(model: str) -> dict[str, Any]:
-        _check_model(gw, model)
-        return _model_card(gw)
+    async def model(request: Request) -> Response:
+        _check_model(gw, request.path_params["model"])
+        return JSONResponse(_model_card(gw))
 
-    @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await _openai(gw, request, parse_completion, "completions")
 
-    @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         return await _openai(gw, request, parse_chat, "chat")
 
-    @app.post("/v2/models/{model}/generate")
-    async def generate(model: str, request: Request) -> Response:
-        return await _kserve(gw, request, model, streaming=False)
+    async def generate(request: Request) -> Response:
+        return await _kserve(gw, request, request.path_params["model"], streaming=False)
 
-    @app.post("/v2/models/{model}/generate_stream")
-    async def generate_stream(model: str, request: Request) -> Response:
-        return await _kserve(gw, request, model, streaming=True)
+    async def generate_stream(request: Request) -> Response:
+        return await _kserve(gw, request, request.path_params["model"], streaming=True)
 
-    @app.get("/health")
-    async def health() -> Response:
+    async def health(request: Request) -> Response:
         ok = any(v.healthy for v in gw.pool.views())
         return JSONResponse({"healthy": ok}, status_code=200 if ok else 503)
 
-    @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
         return Response(gw.metrics.render(gw.pool), media_type="text/plain; version=0.0.4")
+
+    return [Route("/v1/models", models, methods=["GET"]),
+            Route("/v1/models/{model}", model, methods=["GET"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/chat/completions", chat, methods=["POST"]),
+            Route("/v2/models/{model}/generate", generate, methods=["POST"]),
+            Route("/v2/models/{model}/generate_stream", generate_stream, methods=["POST"]),
+            Route("/health", health, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"])]
 
 
 def _model_card(gw: Gateway) -> dict[str, Any]:
@@ -161,8 +164,7 @@ async def _openai(gw: Gateway, request: Request, parse: Callable[[Any], Generati
     answer = Answer(gen, lambda t: str(gw.tokenizer.decode([t])))
     if gen.stream:
         call = await gw.open(upstream, arrived)
-        return StreamingResponse(_sse(gw, call, answer, endpoint),
-                                 media_type="text/event-stream")
+        return EventStream(_sse(gw, call, answer, endpoint))
 
     async def collect(call: Call) -> None:
         async for d in _relay(call, answer):
@@ -304,7 +306,7 @@ async def _kserve(gw: Gateway, request: Request, model: str, streaming: bool) ->
         call = await gw.open(upstream, arrived)
         events = _counted(gw, call, endpoint, _kserve_events(call),
                           lambda e: f"data: {json.dumps({'error': e.message})}\n\n")
-        return StreamingResponse(events, media_type="text/event-stream")
+        return EventStream(events)
     pieces: list[Piece] = []
 
     async def collect(call: Call) -> None:  # the whole answer is the first piece

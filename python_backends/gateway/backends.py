@@ -7,19 +7,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections import deque
 from typing import Any
 
 import aiohttp
-import tritonclient.grpc.aio as grpcclient
 
 from python_backends.client import Metrics, histogram_quantile, metric_sum, parse_metrics
 from python_backends.config import GRPC_API_KEY_HEADER
 from python_backends.gateway.config import BackendConfig, GatewayConfig
 from python_backends.gateway.routing import ServerView
-from python_backends.gateway.triton import Breaker
+from python_backends.gateway.triton import Breaker, TritonClient
 from python_backends.wire import FRONT_START_METRIC
 
 log = logging.getLogger(__name__)
@@ -36,16 +36,35 @@ class Backend:
     def __init__(self, config: BackendConfig) -> None:
         self.config = config
         self.name = config.name
-        self.client: Any = None  # made in the event loop that uses it (`connect`)
+        self.client: Any = None  # a TritonClient, made in the event loop that uses it
         # a server's own key (launcher --api-key), in Triton's gRPC metadata name for it
         self.headers = {GRPC_API_KEY_HEADER: config.api_key} if config.api_key else None
         self.ready = False
         self.last_answer = 0.0  # monotonic time of its last successful health check
-        self.metrics: Metrics = {}
         self.in_flight = 0
         self.breaker = Breaker()  # its open streams, ended when it loses them
         self.front_started: float | None = None  # its front's start (FRONT_START_METRIC)
         self._history: deque[tuple[float, Metrics]] = deque()  # scrapes of the TTFT window
+        self.metrics = {}
+
+    @property
+    def metrics(self) -> Metrics:
+        """Its last scrape (the families the gateway reads)."""
+        return self._metrics
+
+    @metrics.setter
+    def metrics(self, m: Metrics) -> None:
+        # What routing reads of a scrape is worked out once per scrape, not per request.
+        self._metrics = m
+        engines = m.get("llm_engine_healthy", {})
+        self._engines_ok = not engines or any(v > 0 for v in engines.values())
+        self._view = ServerView(
+            name=self.name, region=self.config.region, weight=self.config.weight,
+            healthy=False, waiting=metric_sum(m, "llm_num_requests_waiting"),
+            running=metric_sum(m, "llm_num_requests_running"),
+            kv_usage=max(m.get("llm_kv_cache_usage_ratio", {}).values(), default=0.0),
+            kv_blocks_used=metric_sum(m, "llm_kv_cache_blocks_used"),
+            ttft_p95_s=self.ttft_p95(), canary=self.config.canary)
 
     def ttft_p95(self) -> float | None:
         """TTFT p95 of the requests that finished in the last TTFT_WINDOW_S (about)."""
@@ -55,21 +74,12 @@ class Backend:
                                   TTFT_METRIC)
 
     def view(self, now: float, unhealthy_after_s: float) -> ServerView:
-        m = self.metrics
-        engines = m.get("llm_engine_healthy", {})
-        healthy = (self.ready and now - self.last_answer <= unhealthy_after_s
-                   and (not engines or any(v > 0 for v in engines.values())))
-        usage = m.get("llm_kv_cache_usage_ratio", {})
-        return ServerView(
-            name=self.name, region=self.config.region, weight=self.config.weight,
-            healthy=healthy, waiting=metric_sum(m, "llm_num_requests_waiting"),
-            running=metric_sum(m, "llm_num_requests_running"),
-            kv_usage=max(usage.values(), default=0.0),
-            kv_blocks_used=metric_sum(m, "llm_kv_cache_blocks_used"),
-            ttft_p95_s=self.ttft_p95(), canary=self.config.canary, in_flight=self.in_flight)
+        healthy = (self.ready and self._engines_ok
+                   and now - self.last_answer <= unhealthy_after_s)
+        return dataclasses.replace(self._view, healthy=healthy, in_flight=self.in_flight)
 
     def connect(self) -> None:
-        self.client = grpcclient.InferenceServerClient(self.config.grpc)
+        self.client = TritonClient(self.config.grpc)
 
     async def check(self, session: aiohttp.ClientSession, timeout_s: float,
                     unhealthy_after_s: float) -> None:
@@ -78,8 +88,7 @@ class Backend:
         `unhealthy_after_s`, those that received nothing for as long; when its front
         restarted, those opened before."""
         try:
-            ready = await self.client.is_server_ready(headers=self.headers,
-                                                      client_timeout=timeout_s)
+            ready = await self.client.is_server_ready(self.headers, timeout_s)
             async with session.get(self.config.metrics,
                                    timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
                 text = await r.text()
@@ -99,12 +108,13 @@ class Backend:
         if ready and not self.ready:
             log.info("backend %s is ready", self.name)
         self.ready = bool(ready)
-        self.metrics = parse_metrics(text, READ_METRICS)
+        metrics = parse_metrics(text, READ_METRICS)
         self.last_answer = now = time.monotonic()
-        self._history.append((now, self.metrics))
+        self._history.append((now, metrics))
         # keep one scrape at or before the window's start, as the baseline of the deltas
         while len(self._history) > 2 and self._history[1][0] <= now - TTFT_WINDOW_S:
             self._history.popleft()
+        self.metrics = metrics
         self._watch_front()
 
     def _watch_front(self) -> None:

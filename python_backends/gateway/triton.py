@@ -4,6 +4,12 @@ the gRPC stream, which ends the request inside the server too (its engine frees 
 
 The OpenAI endpoints always ask the ensemble to stream (its `stream` input): the gateway
 shapes non-streaming answers itself, and only a stream lets it stop early.
+
+The gateway speaks Triton's gRPC API (KServe v2, tritonclient's generated stubs) on grpc.aio
+itself: its request is built straight into protobuf and its pieces read straight from the raw
+output bytes. tritonclient's own client would build numpy arrays both ways and a task per
+stream to feed its request, all on the event loop that relays every token (together a third
+of the gateway's time before a request's first token).
 """
 
 from __future__ import annotations
@@ -17,16 +23,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-import numpy as np
-import tritonclient.grpc.aio as grpcclient
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+from tritonclient.utils import TRITON_RESERVED_REQUEST_PARAMS, TRITON_RESERVED_REQUEST_PARAMS_PREFIX
 
 from python_backends.gateway.errors import ApiError, from_triton
 from python_backends.wire import CLIENT_INPUTS, FINISH_ERROR, Kind
 
 ENSEMBLE = "ensemble"
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
-_DTYPES = {Kind.INT: ("INT32", np.int32), Kind.UINT64: ("UINT64", np.uint64),
-           Kind.FLOAT: ("FP32", np.float32), Kind.BOOL: ("BOOL", np.bool_)}
+UINT64_MAX = 2**64 - 1
+MAX_MESSAGE = 2**31 - 1  # what tritonclient allows a message both ways
+_SCALARS = {Kind.INT: "INT32", Kind.UINT64: "UINT64", Kind.FLOAT: "FP32", Kind.BOOL: "BOOL"}
 
 
 @dataclass
@@ -39,39 +46,112 @@ class Piece:
     finish_reason: str = ""
     num_input_tokens: int = 0
     num_output_tokens: int = 0
+    error: str = ""  # why it failed, with finish_reason "error"
 
 
-def ensemble_inputs(values: dict[str, Any]) -> list[grpcclient.InferInput]:
-    """The ensemble's input tensors (batch of one) from name -> value, typed by the wire's
-    declaration of each input (wire.CLIENT_INPUTS); an unknown name is refused by name."""
-    tensors = []
+class TritonClient:
+    """One Triton server's gRPC API on a grpc.aio channel; made in the event loop that uses
+    it."""
+
+    def __init__(self, address: str) -> None:
+        self._channel = grpc.aio.insecure_channel(address, options=[
+            ("grpc.max_send_message_length", MAX_MESSAGE),
+            ("grpc.max_receive_message_length", MAX_MESSAGE)])
+        self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
+
+    async def is_server_ready(self, headers: dict[str, str] | None, timeout_s: float) -> bool:
+        answer = await self._stub.ServerReady(service_pb2.ServerReadyRequest(),
+                                              metadata=_metadata(headers), timeout=timeout_s)
+        return bool(answer.ready)
+
+    def open_stream(self, headers: dict[str, str] | None, timeout_s: float) -> Any:
+        """A ModelStreamInfer call (grpc.aio): `await write(request)`, then read its
+        responses."""
+        return self._stub.ModelStreamInfer(metadata=_metadata(headers), timeout=timeout_s)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+
+def _metadata(headers: dict[str, str] | None) -> tuple[tuple[str, str], ...] | None:
+    return tuple(headers.items()) if headers else None
+
+
+def ensemble_request(values: dict[str, Any],
+                     parameters: dict[str, Any]) -> service_pb2.ModelInferRequest:
+    """The ensemble's request: one input tensor (batch of one) per name -> value, typed by the
+    wire's declaration of each input (wire.CLIENT_INPUTS), and the request parameters. An
+    unknown input, a value of the wrong type and a parameter Triton reserves or cannot carry
+    are refused by name."""
+    request = service_pb2.ModelInferRequest(model_name=ENSEMBLE)
     for name, value in values.items():
         spec = CLIENT_INPUTS.get(name)
         if spec is None:
             raise ApiError(400, f"invalid input '{name}': unknown input", name)
+        tensor = request.inputs.add(name=name)
+        contents = tensor.contents
         if spec.kind in (Kind.TEXT, Kind.TEXTS):
             items = value if isinstance(value, list) else [value]
-            arr = np.array([[str(v).encode() for v in items]], dtype=np.object_)
-            triton_type = "BYTES"
-        elif spec.kind is Kind.INTS:
+            tensor.datatype = "BYTES"
+            contents.bytes_contents.extend(str(v).encode() for v in items)
+            tensor.shape.extend((1, len(items)))
+            continue
+        if spec.kind is Kind.INTS:
             if not isinstance(value, list) or not all(
                     isinstance(v, int) and not isinstance(v, bool) and INT32_MIN <= v <= INT32_MAX
                     for v in value):
                 raise ApiError(400, f"invalid input '{name}': expected a list of INT32 "
                                "integers", name)
-            arr = np.array([value], dtype=np.int32)
-            triton_type = "INT32"
-        else:
-            triton_type, np_type = _DTYPES[spec.kind]
-            try:
-                arr = np.array([[value]], dtype=np_type)
-            except (TypeError, ValueError, OverflowError):
-                raise ApiError(400, f"invalid input '{name}': expected {triton_type}, got "
-                               f"{value!r}", name) from None
-        tensor = grpcclient.InferInput(name, list(arr.shape), triton_type)
-        tensor.set_data_from_numpy(arr)
-        tensors.append(tensor)
-    return tensors
+            tensor.datatype = "INT32"
+            contents.int_contents.extend(value)
+            tensor.shape.extend((1, len(value)))
+            continue
+        tensor.datatype = _SCALARS[spec.kind]
+        tensor.shape.extend((1, 1))
+        try:
+            _set_scalar(contents, spec.kind, value)
+        except (TypeError, ValueError, OverflowError):
+            raise ApiError(400, f"invalid input '{name}': expected {tensor.datatype}, got "
+                           f"{value!r}", name) from None
+    for key, value in parameters.items():
+        _set_parameter(request.parameters[key], key, value)
+    return request
+
+
+def _set_scalar(contents: Any, kind: Kind, value: Any) -> None:
+    """One value of `kind` into `contents`, converted as numpy converts it (a float input
+    takes an int or a numeric string, a bool input any value's truth); raises TypeError or
+    ValueError when it does not convert."""
+    if kind is Kind.BOOL:
+        contents.bool_contents.append(bool(value))
+    elif kind is Kind.FLOAT:
+        contents.fp32_contents.append(float(value))
+    else:
+        number = int(value)
+        if number != value and not isinstance(value, str):
+            raise ValueError(value)  # a float with a fraction: not an integer
+        low, high = (0, UINT64_MAX) if kind is Kind.UINT64 else (INT32_MIN, INT32_MAX)
+        if not low <= number <= high:
+            raise OverflowError(value)
+        (contents.uint64_contents if kind is Kind.UINT64 else contents.int_contents).append(
+            number)
+
+
+def _set_parameter(param: Any, key: str, value: Any) -> None:
+    if key in TRITON_RESERVED_REQUEST_PARAMS or key.startswith(
+            TRITON_RESERVED_REQUEST_PARAMS_PREFIX):
+        raise ApiError(400, f"invalid parameter '{key}': reserved by Triton", key)
+    if isinstance(value, str):
+        param.string_param = value
+    elif isinstance(value, bool):
+        param.bool_param = value
+    elif isinstance(value, int) and -(2**63) <= value < 2**63:
+        param.int64_param = value
+    elif isinstance(value, float):
+        param.double_param = value
+    else:
+        raise ApiError(400, f"invalid parameter '{key}': expected a string, a number or a "
+                       f"boolean, got {value!r}", key)
 
 
 class Breaker:
@@ -119,66 +199,78 @@ class Breaker:
         return len(calls)
 
 
-async def stream(client: grpcclient.InferenceServerClient, inputs: dict[str, Any],
-                 parameters: dict[str, str], headers: dict[str, str] | None,
-                 timeout_s: float, breaker: Breaker | None = None) -> AsyncIterator[Piece]:
+async def stream(client: TritonClient, inputs: dict[str, Any], parameters: dict[str, Any],
+                 headers: dict[str, str] | None, timeout_s: float,
+                 breaker: Breaker | None = None) -> AsyncIterator[Piece]:
     """The ensemble's responses to one request. Raises ApiError when the server refuses or
     fails it (a stream that fails after its first piece ends with finish_reason "error"), or
     503 when `breaker` breaks it."""
-    tensors = ensemble_inputs(inputs)
-    done = asyncio.Event()
-
-    async def one_request() -> AsyncIterator[dict[str, Any]]:
-        yield {"model_name": ENSEMBLE, "inputs": tensors, "parameters": parameters or None}
-        await done.wait()  # keep our side open until the answer ends
-
-    responses = client.stream_infer(one_request(), stream_timeout=timeout_s, headers=headers)
+    request = ensemble_request(inputs, parameters)
+    call = client.open_stream(headers, timeout_s)  # our side stays open until the answer ends
     breaker = Breaker() if breaker is None else breaker
-    breaker.add(responses)
+    breaker.add(call)
     try:
-        async for result, error in responses:
-            breaker.heard(responses)
-            if error is not None:
-                raise from_triton(str(error.message()))
-            piece = _piece(result)
+        await call.write(request)
+        async for response in call:
+            breaker.heard(call)
+            if response.error_message:
+                raise from_triton(response.error_message)
+            piece = read_piece(response.infer_response)
             if piece.finish_reason == FINISH_ERROR:
-                raise from_triton(_text(result, "error_message"))
+                raise from_triton(piece.error)
             yield piece
             if piece.finish_reason:
                 return
         raise ApiError(503, "the server closed the stream before the request finished")
-    except grpcclient.InferenceServerException as e:
-        raise from_triton(str(e.message())) from None
     except grpc.aio.AioRpcError as e:  # the server is unreachable, or the stream broke
         raise ApiError(503, f"the server failed: {e.code().name}: {e.details()}") from None
     except asyncio.CancelledError:
-        broken = breaker.discard(responses)
+        broken = breaker.discard(call)
         if broken is None:
             raise  # our own task was cancelled (the client went away)
         raise broken from None
     finally:
-        breaker.discard(responses)
-        done.set()
+        breaker.discard(call)
         with contextlib.suppress(Exception):
-            responses.cancel()
+            call.cancel()
 
 
-def _piece(result: Any) -> Piece:
+# A response's outputs: name -> its raw bytes.
+Outputs = dict[str, bytes]
+
+
+def read_piece(response: service_pb2.ModelInferResponse) -> Piece:
+    """One response of the ensemble. Triton's gRPC endpoint sends every output's data as raw
+    bytes (raw_output_contents, in the order of the outputs)."""
+    outputs = {o.name: raw for o, raw in zip(response.outputs, response.raw_output_contents,
+                                             strict=False)}
     return Piece(
-        text=_text(result, "text_output"),
-        token_ids=[int(t) for t in _array(result, "output_ids")],
-        logprobs=[float(x) for x in _array(result, "output_log_probs")],
-        finish_reason=_text(result, "finish_reason"),
-        num_input_tokens=int(next(iter(_array(result, "num_input_tokens")), 0)),
-        num_output_tokens=int(next(iter(_array(result, "num_output_tokens")), 0)),
+        text=_text(outputs, "text_output"),
+        token_ids=_ints(outputs, "output_ids"),
+        logprobs=_floats(outputs, "output_log_probs"),
+        finish_reason=_text(outputs, "finish_reason"),
+        num_input_tokens=next(iter(_ints(outputs, "num_input_tokens")), 0),
+        num_output_tokens=next(iter(_ints(outputs, "num_output_tokens")), 0),
+        error=_text(outputs, "error_message"),
     )
 
 
-def _array(result: Any, name: str) -> np.ndarray:
-    arr = result.as_numpy(name)
-    return np.zeros(0) if arr is None else arr.reshape(-1)
+def _ints(outputs: Outputs, name: str) -> list[int]:
+    """An INT32 output's values (little-endian, as this host)."""
+    raw = outputs.get(name, b"")
+    return memoryview(raw).cast("i").tolist() if raw else []
 
 
-def _text(result: Any, name: str) -> str:
-    arr = _array(result, name)
-    return bytes(arr[0]).decode("utf-8", errors="replace") if arr.size else ""
+def _floats(outputs: Outputs, name: str) -> list[float]:
+    """An FP32 output's values."""
+    raw = outputs.get(name, b"")
+    return [float(x) for x in memoryview(raw).cast("f")] if raw else []
+
+
+def _text(outputs: Outputs, name: str) -> str:
+    """A BYTES output's first element: a 4-byte little-endian length, then the bytes."""
+    raw = outputs.get(name, b"")
+    if len(raw) < 4:
+        return ""
+    size = int.from_bytes(raw[:4], "little")
+    return raw[4:4 + size].decode("utf-8", errors="replace")

@@ -1,5 +1,6 @@
-"""The ensemble's input tensors, typed by the wire's declaration of each input; streams the
-gateway breaks when their server has lost them."""
+"""The ensemble's request, its input tensors typed by the wire's declaration of each input;
+its responses read from their raw bytes as tritonclient reads them; streams the gateway breaks
+when their server has lost them."""
 
 from __future__ import annotations
 
@@ -7,36 +8,118 @@ import asyncio
 import time
 from typing import Any
 
+import numpy as np
 import pytest
+from tritonclient.grpc import InferResult, service_pb2
+from tritonclient.utils import serialize_byte_tensor
 
 from python_backends.gateway.backends import Backend
 from python_backends.gateway.config import BackendConfig
 from python_backends.gateway.errors import ApiError
-from python_backends.gateway.triton import Breaker, Piece, ensemble_inputs, stream
+from python_backends.gateway.triton import (
+    Breaker,
+    Piece,
+    ensemble_request,
+    read_piece,
+    stream,
+)
 from python_backends.wire import FRONT_START_METRIC
 
 
 def test_inputs_take_the_ensembles_types_and_shapes() -> None:
-    tensors = {t.name(): t for t in ensemble_inputs(
+    request = ensemble_request(
         {"text_input": "Hi", "max_tokens": 3, "temperature": 0.5, "stream": True,
-         "resume_ids": [5, 6, 7], "stop_words": ["a", "b"]})}
-    assert {n: (t.datatype(), t.shape()) for n, t in tensors.items()} == {
+         "resume_ids": [5, 6, 7], "stop_words": ["a", "b"], "seed": 2**63},
+        {"tenant": "acme", "retries": 2, "strict": True, "ratio": 0.5})
+    assert request.model_name == "ensemble"
+    tensors = {t.name: t for t in request.inputs}
+    assert {n: (t.datatype, list(t.shape)) for n, t in tensors.items()} == {
         "text_input": ("BYTES", [1, 1]), "max_tokens": ("INT32", [1, 1]),
         "temperature": ("FP32", [1, 1]), "stream": ("BOOL", [1, 1]),
-        "resume_ids": ("INT32", [1, 3]), "stop_words": ("BYTES", [1, 2])}
+        "resume_ids": ("INT32", [1, 3]), "stop_words": ("BYTES", [1, 2]),
+        "seed": ("UINT64", [1, 1])}
+    c = {n: t.contents for n, t in tensors.items()}
+    assert list(c["text_input"].bytes_contents) == [b"Hi"]
+    assert list(c["stop_words"].bytes_contents) == [b"a", b"b"]
+    assert list(c["max_tokens"].int_contents) == [3]
+    assert list(c["resume_ids"].int_contents) == [5, 6, 7]
+    assert list(c["temperature"].fp32_contents) == [0.5]
+    assert list(c["stream"].bool_contents) == [True]
+    assert list(c["seed"].uint64_contents) == [2**63]
+    p = request.parameters
+    assert (p["tenant"].string_param, p["retries"].int64_param, p["strict"].bool_param,
+            p["ratio"].double_param) == ("acme", 2, True, 0.5)
 
 
 @pytest.mark.parametrize(("inputs", "field"), [
     ({"colour": "red"}, "colour"),
     ({"max_tokens": "many"}, "max_tokens"),
+    ({"max_tokens": 3.5}, "max_tokens"),
+    ({"max_tokens": 2**31}, "max_tokens"),
+    ({"max_tokens": None}, "max_tokens"),
+    ({"seed": -1}, "seed"),
+    ({"temperature": "warm"}, "temperature"),
     ({"resume_ids": [1, "x"]}, "resume_ids"),
     ({"resume_ids": 3}, "resume_ids"),
     ({"resume_ids": [2**40]}, "resume_ids"),
 ])
 def test_bad_values_are_refused_by_name(inputs: dict[str, object], field: str) -> None:
     with pytest.raises(ApiError) as e:
-        ensemble_inputs(inputs)
+        ensemble_request(inputs, {})
     assert e.value.status == 400 and e.value.param == field
+
+
+@pytest.mark.parametrize(("parameters", "field"), [
+    ({"timeout": 5}, "timeout"),  # Triton's own, as tritonclient refuses them
+    ({"triton_enable_empty_final_response": True}, "triton_enable_empty_final_response"),
+    ({"tags": ["a"]}, "tags"),
+    ({"limits": {"a": 1}}, "limits"),
+    ({"big": 2**70}, "big"),
+])
+def test_bad_parameters_are_refused_by_name(parameters: dict[str, object], field: str) -> None:
+    with pytest.raises(ApiError) as e:
+        ensemble_request({"text_input": "x"}, parameters)
+    assert e.value.status == 400 and e.value.param == field
+
+
+def _response(**outputs: np.ndarray) -> service_pb2.ModelInferResponse:
+    """A response as Triton's gRPC endpoint sends it: every output's data as raw bytes."""
+    response = service_pb2.ModelInferResponse(model_name="ensemble")
+    for name, array in outputs.items():
+        bytes_typed = array.dtype == np.object_
+        response.outputs.add(name=name, datatype="BYTES" if bytes_typed else "INT32"
+                             if array.dtype == np.int32 else "FP32", shape=array.shape)
+        raw = serialize_byte_tensor(array).item() if bytes_typed else array.tobytes()
+        response.raw_output_contents.append(raw)
+    return response
+
+
+def test_pieces_are_read_from_raw_outputs_as_tritonclient_reads_them() -> None:
+    response = _response(
+        text_output=np.array(["Caf\u00e9 \u2615".encode()], dtype=np.object_),
+        finish_reason=np.array([b"error"], dtype=np.object_),
+        error_message=np.array([b"engine lost"], dtype=np.object_),
+        num_input_tokens=np.array([12], dtype=np.int32),
+        num_output_tokens=np.array([3], dtype=np.int32),
+        output_ids=np.array([7, -1, 2**31 - 1], dtype=np.int32),
+        output_log_probs=np.array([-0.25, -1.5, 0.0], dtype=np.float32))
+    piece = read_piece(response)
+    reference = InferResult(response)  # tritonclient's own reading of the same response
+    assert piece == Piece(
+        text=bytes(reference.as_numpy("text_output")[0]).decode(),
+        token_ids=reference.as_numpy("output_ids").tolist(),
+        logprobs=reference.as_numpy("output_log_probs").tolist(),
+        finish_reason=bytes(reference.as_numpy("finish_reason")[0]).decode(),
+        num_input_tokens=int(reference.as_numpy("num_input_tokens")[0]),
+        num_output_tokens=int(reference.as_numpy("num_output_tokens")[0]),
+        error=bytes(reference.as_numpy("error_message")[0]).decode())
+    assert piece.text == "Caf\u00e9 \u2615" and piece.token_ids == [7, -1, 2**31 - 1]
+
+
+def test_a_response_without_some_outputs_reads_as_empty() -> None:
+    response = _response(text_output=np.array([b""], dtype=np.object_),
+                         output_ids=np.zeros(0, dtype=np.int32))
+    assert read_piece(response) == Piece()
 
 
 class SilentStream:
@@ -49,6 +132,9 @@ class SilentStream:
     def cancel(self) -> None:
         self._cancelled.set()
 
+    async def write(self, request: Any) -> None:
+        pass
+
     def __aiter__(self) -> SilentStream:
         return self
 
@@ -58,15 +144,15 @@ class SilentStream:
 
 
 class SilentClient:
-    def stream_infer(self, requests: Any, **kwargs: Any) -> SilentStream:
+    def open_stream(self, headers: Any, timeout_s: float) -> SilentStream:
         return SilentStream()
 
 
 async def _silent_reader(breaker: Breaker) -> asyncio.Task[list[Piece]]:
     """A task reading a stream whose server never answers, once the stream is open."""
     async def read() -> list[Piece]:
-        return [p async for p in stream(SilentClient(), {"text_input": "x"}, {}, None, 60.0,
-                                        breaker)]
+        return [p async for p in stream(SilentClient(), {"text_input": "x"},  # type: ignore[arg-type]
+                                        {}, None, 60.0, breaker)]
 
     reader = asyncio.create_task(read())
     await asyncio.sleep(0.05)
