@@ -119,9 +119,10 @@ def ensemble_request(values: dict[str, Any],
 
 
 def _set_scalar(contents: Any, kind: Kind, value: Any) -> None:
-    """One value of `kind` into `contents`, converted as numpy converts it (a float input
-    takes an int or a numeric string, a bool input any value's truth); raises TypeError or
-    ValueError when it does not convert."""
+    """One value of `kind` into `contents`: an integer input takes an integer, a whole float
+    or an integer's digits, in its type's range; a float input a number or a numeric string;
+    a bool input any value's truth (as numpy converts). Raises TypeError, ValueError or
+    OverflowError for a value that does not fit."""
     if kind is Kind.BOOL:
         contents.bool_contents.append(bool(value))
     elif kind is Kind.FLOAT:
