@@ -95,11 +95,12 @@ def sse_timeline(url: str, body: dict[str, Any],
 def grpc_timeline(address: str, inputs: dict[str, Any],
                   go: threading.Barrier | None = None) -> Timeline:
     """One request on Triton's gRPC stream, built as the gateway builds it (a stream of its
-    own, opened before `go`): when it was sent and when each response arrived."""
+    own, opened before `go`, ended after 600 s at the latest): when it was sent and when each
+    response arrived."""
     outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
     with grpc.insecure_channel(address) as channel:
         responses = service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(
-            iter(outbox.get, None))
+            iter(outbox.get, None), timeout=600)
         try:
             request = ensemble_request(inputs, {})
             if go is not None:
