@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import struct
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar, Self
@@ -48,6 +49,7 @@ class Kind(enum.Enum):
     INTS = enum.auto()
     FLOATS = enum.auto()
     TEXTS = enum.auto()
+    PACKED = enum.auto()  # a whole message in one tensor (Message.PACKED)
 
     @property
     def triton_type(self) -> str:
@@ -59,15 +61,16 @@ class Kind(enum.Enum):
 
     @property
     def is_list(self) -> bool:
-        return self in (Kind.INTS, Kind.FLOATS, Kind.TEXTS)
+        return self in (Kind.INTS, Kind.FLOATS, Kind.TEXTS, Kind.PACKED)
 
 
 _TRITON_TYPES = {Kind.INT: "TYPE_INT32", Kind.UINT64: "TYPE_UINT64", Kind.FLOAT: "TYPE_FP32",
                  Kind.BOOL: "TYPE_BOOL", Kind.INTS: "TYPE_INT32", Kind.FLOATS: "TYPE_FP32",
                  Kind.TEXT: "TYPE_STRING", Kind.BLOB: "TYPE_STRING", Kind.JSON: "TYPE_STRING",
-                 Kind.TEXTS: "TYPE_STRING"}
+                 Kind.TEXTS: "TYPE_STRING", Kind.PACKED: "TYPE_UINT8"}
 _NUMPY_TYPES = {Kind.INT: np.int32, Kind.UINT64: np.uint64, Kind.FLOAT: np.float32,
-                Kind.BOOL: np.bool_, Kind.INTS: np.int32, Kind.FLOATS: np.float32}
+                Kind.BOOL: np.bool_, Kind.INTS: np.int32, Kind.FLOATS: np.float32,
+                Kind.PACKED: np.uint8}
 
 
 @dataclass(frozen=True)
@@ -90,12 +93,25 @@ def _tensor(name: str, kind: Kind, default: Any = dataclasses.MISSING,
 
 
 class Message:
-    """Base of the typed messages: encoding and decoding from the fields' tensor specs."""
+    """Base of the typed messages: encoding and decoding from the fields' tensor specs.
+
+    A message whose class sets `PACKED` travels as that one UINT8 tensor holding every field
+    (`pack`), not a tensor per field. Engines answer once per token, and in Triton 2.51 a
+    decoupled BLS caller's stub keeps every response of a call, each tensor as a C++ object, a
+    numpy array and a block of its shared memory, until the call ends: a tensor per field made
+    a token cost the front about 9 KiB for the length of its stream (docs/platform.md)."""
 
     JSON_TYPES: ClassVar[dict[str, type]] = {}
+    PACKED: ClassVar[str] = ""
 
     @classmethod
     def specs(cls) -> list[TensorSpec]:
+        if cls.PACKED:
+            return [TensorSpec(cls.PACKED, Kind.PACKED)]
+        return cls.field_specs()
+
+    @classmethod
+    def field_specs(cls) -> list[TensorSpec]:
         return [f.metadata["tensor"] for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
 
     @classmethod
@@ -105,6 +121,9 @@ class Message:
     def encode(self, batched: bool) -> dict[str, np.ndarray]:
         """Name -> array; `batched`: with the leading batch dimension of 1 that models with a
         max_batch_size expect. Optional fields that are None are left out."""
+        if self.PACKED:
+            packed = np.frombuffer(self.pack(), dtype=np.uint8)
+            return {self.PACKED: packed[None, ...] if batched else packed}
         out = {}
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
             value = getattr(self, f.name)
@@ -119,6 +138,10 @@ class Message:
     def decode(cls, arrays: Mapping[str, np.ndarray]) -> Self:
         """From the arrays a model received (any batch shape); a missing optional tensor reads
         as its default. A missing required one is a KeyError naming it."""
+        if cls.PACKED:
+            if cls.PACKED not in arrays:
+                raise KeyError(f"{cls.__name__}: tensor {cls.PACKED} missing")
+            return cls.unpack(arrays[cls.PACKED].tobytes())
         values = {}
         for f in dataclasses.fields(cls):  # type: ignore[arg-type]
             spec: TensorSpec = f.metadata["tensor"]
@@ -128,6 +151,85 @@ class Message:
             elif not spec.optional:
                 raise KeyError(f"{cls.__name__}: tensor {spec.name} missing")
         return cls(**values)
+
+    def pack(self) -> bytes:
+        """Every field in declaration order, little-endian: INT int32, UINT64 uint64, FLOAT
+        float32, BOOL one byte; TEXT and BLOB a uint32 length and the bytes (UTF-8); INTS and
+        FLOATS a uint32 count and the values; TEXTS a count and each text as TEXT."""
+        parts: list[bytes] = []
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            if value is None:
+                raise ValueError(f"{type(self).__name__}.{f.name}: a packed message carries "
+                                 "every field")
+            _pack(f.metadata["tensor"].kind, value, parts)
+        return b"".join(parts)
+
+    @classmethod
+    def unpack(cls, data: bytes) -> Self:
+        """The message `pack` wrote; ValueError when `data` is not one."""
+        view = memoryview(data)
+        values, at = {}, 0
+        try:
+            for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+                values[f.name], at = _unpack(f.metadata["tensor"].kind, view, at,
+                                             cls.JSON_TYPES.get(f.name))
+        except (struct.error, UnicodeDecodeError) as e:
+            raise ValueError(f"{cls.__name__}: not a packed message: {e}") from None
+        if at != len(view):
+            raise ValueError(f"{cls.__name__}: {len(view) - at} bytes after the message")
+        return cls(**values)
+
+
+_SCALAR_FORMATS = {Kind.INT: struct.Struct("<i"), Kind.UINT64: struct.Struct("<Q"),
+                   Kind.FLOAT: struct.Struct("<f"), Kind.BOOL: struct.Struct("<?")}
+_ITEM_CODES = {Kind.INTS: "i", Kind.FLOATS: "f"}
+_COUNT = struct.Struct("<I")
+
+
+def _pack(kind: Kind, value: Any, parts: list[bytes]) -> None:
+    if kind in _SCALAR_FORMATS:
+        parts.append(_SCALAR_FORMATS[kind].pack(value))
+    elif kind in _ITEM_CODES:
+        parts.append(struct.pack(f"<I{len(value)}{_ITEM_CODES[kind]}", len(value), *value))
+    elif kind is Kind.TEXTS:
+        parts.append(_COUNT.pack(len(value)))
+        for item in value:
+            _pack(Kind.TEXT, item, parts)
+    elif kind in (Kind.TEXT, Kind.BLOB, Kind.JSON):
+        raw = value.to_json() if kind is Kind.JSON else value
+        raw = raw.encode() if isinstance(raw, str) else bytes(raw)
+        parts += (_COUNT.pack(len(raw)), raw)
+    else:
+        raise ValueError(f"a {kind.name} field cannot be packed")
+
+
+def _unpack(kind: Kind, view: memoryview, at: int, json_type: type | None) -> tuple[Any, int]:
+    if kind in _SCALAR_FORMATS:
+        fmt = _SCALAR_FORMATS[kind]
+        (value,) = fmt.unpack_from(view, at)
+        return value, at + fmt.size
+    (count,) = _COUNT.unpack_from(view, at)
+    at += _COUNT.size
+    if kind in _ITEM_CODES:
+        items = struct.unpack_from(f"<{count}{_ITEM_CODES[kind]}", view, at)
+        return list(items), at + 4 * count
+    if kind is Kind.TEXTS:
+        texts = []
+        for _ in range(count):
+            text, at = _unpack(Kind.TEXT, view, at, None)
+            texts.append(text)
+        return texts, at
+    if at + count > len(view):
+        raise struct.error(f"a {count}-byte field past the end")
+    raw = bytes(view[at:at + count])
+    at += count
+    if kind is Kind.BLOB:
+        return raw, at
+    if kind is Kind.JSON:
+        assert json_type is not None
+        return json_type.from_json(raw), at  # type: ignore[attr-defined]
+    return raw.decode(), at
 
 
 def _to_array(kind: Kind, value: Any) -> np.ndarray:
@@ -237,8 +339,9 @@ class TokenStep(Message):
     """worker or decode -> front: one step's new token of one sequence (none in a final
     "cancelled" or "error" answer). An engine's error travels here, as data in a final step,
     never as a Triton error: a decoupled BLS call never receives an error response that is not
-    its first (docs/platform.md)."""
+    its first (docs/platform.md). Packed in one tensor: there is one per token (see Message)."""
 
+    PACKED: ClassVar[str] = "STEP"
     output_ids: list[int] = _tensor("OUTPUT_IDS", Kind.INTS)
     output_log_probs: list[float] = _tensor("OUTPUT_LOG_PROBS", Kind.FLOATS)
     finish_reason: str = _tensor("FINISH_REASON", Kind.TEXT)  # "" until the last step

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from python_backends.params import SamplingParams
 from python_backends.wire import (
@@ -96,4 +98,34 @@ def test_optional_fields_are_left_out_and_required_ones_named() -> None:
     arrays = EngineRequest(REQUEST).encode(batched=False)
     assert set(arrays) == {"REQUEST", "CANCEL_TICKET"}
     with pytest.raises(KeyError, match="OUTPUT_IDS"):
-        TokenStep.decode({"FINISH_REASON": np.array([b""], dtype=np.object_)})
+        PrefillAnswer.decode({"FINISH_REASON": np.array([b""], dtype=np.object_)})
+    with pytest.raises(KeyError, match="STEP"):
+        TokenStep.decode({"OUTPUT_IDS": np.array([1], dtype=np.int32)})
+
+
+def test_a_token_step_travels_as_one_packed_tensor() -> None:
+    step = TokenStep([7, 8], [-0.25, -1.5], "", 3, 2)
+    [(name, arr)] = step.encode(batched=False).items()
+    assert (name, arr.dtype, TokenStep.names()) == ("STEP", np.uint8, ["STEP"])
+    assert arr.nbytes == len(step.pack()) < 64
+    failed = TokenStep([], [], "error", 3, 0, "engine: 中文 failed", "internal")
+    assert TokenStep.unpack(failed.pack()) == failed
+
+
+def test_a_damaged_packed_message_is_refused() -> None:
+    packed = TokenStep([7], [-0.25], "stop", 3, 1).pack()
+    with pytest.raises(ValueError, match="not a packed message"):
+        TokenStep.unpack(packed[:-3])
+    with pytest.raises(ValueError, match="bytes after the message"):
+        TokenStep.unpack(packed + b"\0")
+    with pytest.raises(ValueError, match="carries every field"):
+        EngineRequest.pack(EngineRequest(REQUEST))
+
+
+@settings(max_examples=200, deadline=None)
+@given(ids=st.lists(st.integers(-2**31, 2**31 - 1), max_size=8),
+       text=st.text(max_size=20), n=st.integers(0, 2**31 - 1))
+def test_packing_keeps_every_value(ids: list[int], text: str, n: int) -> None:
+    log_probs = [float(np.float32(-i / 7)) for i in range(len(ids))]
+    step = TokenStep(ids, log_probs, text, n, len(ids), text, "")
+    assert TokenStep.decode(step.encode(batched=True)) == step
