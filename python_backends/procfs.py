@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 PROC = Path("/proc")
+SHM_PREFIX = "/dev/shm/"
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,33 @@ class Process:
             return None  # a zombie has no memory lines
         return Memory(anon=kib["RssAnon"] * 1024, file=kib["RssFile"] * 1024,
                       shmem=kib["RssShmem"] * 1024)
+
+    def threads(self) -> int:
+        """Its thread count (0 if it is gone)."""
+        try:
+            status = (PROC / str(self.pid) / "status").read_text()
+        except OSError:
+            return 0
+        return next((int(line.split()[1]) for line in status.splitlines()
+                     if line.startswith("Threads:")), 0)
+
+    def shm_resident(self) -> dict[str, int]:
+        """Resident bytes of each /dev/shm segment it maps, by segment name (empty if it is
+        gone). Reads its whole smaps: costly for a process with thousands of mappings."""
+        resident: dict[str, int] = {}
+        segment = None
+        try:
+            with open(PROC / str(self.pid) / "smaps") as smaps:
+                for line in smaps:
+                    if line[0] in "0123456789abcdef":  # a mapping's header (fields are Names:)
+                        parts = line.split()
+                        path = parts[5] if len(parts) > 5 else ""
+                        segment = path[len(SHM_PREFIX):] if path.startswith(SHM_PREFIX) else None
+                    elif segment is not None and line.startswith("Rss:"):
+                        resident[segment] = resident.get(segment, 0) + int(line.split()[1]) * 1024
+        except OSError:
+            return {}
+        return resident
 
     def catches(self, signum: int) -> bool:
         """Whether the process has a handler for `signum` (False if it is gone): sending it a

@@ -39,7 +39,7 @@ from python_backends import procfs
 from python_backends.client import GenerateError, LLMClient, as_list, metric_sum, scrape
 from python_backends.config import RANK_MODULE
 from python_backends.launcher import TritonServer
-from python_backends.watchdog import live_stubs, stub_of
+from python_backends.watchdog import STUB_SEGMENT_PREFIX, live_stubs, stub_of
 
 PROMPTS = [
     "The capital of France is",
@@ -403,7 +403,11 @@ class MemoryWatch:
     touched (a Python stub's and tritonserver's message arenas in /dev/shm grow to the busiest
     moment's need and stay that size). Growth over the second half of a process's time after
     warm-up tells memory that settled from memory still growing. A process gone by the last
-    sample (a fault killed it) is reported as exited, with its last size."""
+    sample (a fault killed it) is reported as exited, with its last size.
+
+    For tritonserver it also tells, at its baseline and at the end, its threads and the
+    segments it still maps of stubs that died: Triton 2.51 never frees a dead decoupled stub's
+    instance (docs/platform.md), so each killed stub leaves its segment and thread pool there."""
 
     def __init__(self, warmup_s: float) -> None:
         self.warmup_s = warmup_s
@@ -412,6 +416,7 @@ class MemoryWatch:
         self._latest: dict[int, procfs.Memory] = {}
         self._rss: dict[int, list[tuple[float, int]]] = {}  # pid -> (time, rss) after warm-up
         self._alive: set[int] = set()  # in the last sample
+        self._server: tuple[int, DeadStubs] | None = None  # its pid and baseline's DeadStubs
 
     def sample(self, server_pid: int) -> None:
         now = time.monotonic()
@@ -429,6 +434,8 @@ class MemoryWatch:
             self._alive.add(proc.pid)
             self._latest[proc.pid] = memory
             if now - since >= self.warmup_s:
+                if proc.pid not in self._baseline and proc.pid == server_pid:
+                    self._server = (server_pid, DeadStubs.of(server_pid))
                 self._baseline.setdefault(proc.pid, memory)
                 self._rss.setdefault(proc.pid, []).append((now, memory.rss))
 
@@ -443,6 +450,8 @@ class MemoryWatch:
                          "shared_growth_mb": _mib(latest.shmem - base.shmem),
                          "second_half_growth_pct": self._second_half_growth(pid),
                          "exited": pid not in self._alive})
+            if self._server and pid == self._server[0] and pid in self._alive:
+                rows[-1].update(self._server[1].compare(DeadStubs.of(pid), base, latest))
         return sorted(rows, key=lambda r: (bool(r["exited"]), str(r["process"])))
 
     def _second_half_growth(self, pid: int) -> float:
@@ -454,6 +463,37 @@ class MemoryWatch:
         (start, base), (end, last) = samples[0], samples[-1]
         middle = next(rss for t, rss in samples if t >= (start + end) / 2)
         return round(100.0 * (last - middle) / base, 1)
+
+
+@dataclass(frozen=True)
+class DeadStubs:
+    """What tritonserver holds of stubs that died: the stub segments it maps that no running
+    stub uses, their resident bytes, and its thread count."""
+
+    threads: int
+    segments: int
+    resident: int
+
+    @classmethod
+    def of(cls, server_pid: int) -> DeadStubs:
+        server = procfs.process(server_pid)
+        if server is None:
+            return cls(0, 0, 0)
+        live = {stub.region for stub in live_stubs(server_pid)}
+        dead = [rss for name, rss in server.shm_resident().items()
+                if name.startswith(STUB_SEGMENT_PREFIX) and name not in live]
+        return cls(server.threads(), len(dead), sum(dead))
+
+    def compare(self, end: DeadStubs, base: procfs.Memory,
+                latest: procfs.Memory) -> dict[str, Any]:
+        """The report's fields: threads and dead stubs' segments at baseline and end, and the
+        growth of what is left once those segments are taken out."""
+        rest_base, rest_end = base.rss - self.resident, latest.rss - end.resident
+        return {"threads": [self.threads, end.threads],
+                "dead_stub_segments": [self.segments, end.segments],
+                "dead_stub_segments_mb": [_mib(self.resident), _mib(end.resident)],
+                "growth_without_dead_stub_segments_pct":
+                    round(100.0 * (rest_end - rest_base) / rest_base, 1)}
 
 
 def _mib(n: int) -> float:
@@ -490,6 +530,11 @@ def print_report(report: dict[str, Any]) -> None:
               f"{row['private_growth_mb']:+.1f}, {row['shared_growth_mb']:+.1f} MiB; "
               f"{row['second_half_growth_pct']:+.1f}% in the second half)"
               + ("  exited" if row["exited"] else ""))
+        if "threads" in row:
+            print(f"  {'':<18} threads {row['threads'][0]} -> {row['threads'][1]}; segments of "
+                  f"dead stubs {row['dead_stub_segments'][0]} -> {row['dead_stub_segments'][1]}"
+                  f" ({row['dead_stub_segments_mb'][1]:.1f} MiB resident); without them "
+                  f"{row['growth_without_dead_stub_segments_pct']:+.1f}%")
     for outcome, shown in report["examples"].items():
         print(f"examples of {outcome}:", *shown, sep="\n  ")
     print("OK" if report["ok"] else "FAILED", flush=True)

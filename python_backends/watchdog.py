@@ -29,6 +29,7 @@ from python_backends import procfs
 
 log = logging.getLogger(__name__)
 STUB_BINARY = "triton_python_backend_stub"
+STUB_SEGMENT_PREFIX = "triton_python_backend_shm_region_"  # a stub's segment in /dev/shm
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class Stub:
     model: str
     instance: str
     started: int = 0  # start time (clock ticks since boot): the newest stub of an instance wins
+    region: str = ""  # its shared-memory segment in /dev/shm, which tritonserver maps too
 
 
 def stub_of(proc: procfs.Process) -> Stub | None:
@@ -45,7 +47,8 @@ def stub_of(proc: procfs.Process) -> Stub | None:
     if argv is None or len(argv) < 9 or not argv[0].endswith(STUB_BINARY):
         return None
     model_file = Path(argv[1])  # <repository>/<model>/<version>/model.py
-    return Stub(proc.pid, model_file.parent.parent.name, argv[8], proc.start_ticks)
+    return Stub(proc.pid, model_file.parent.parent.name, argv[8], proc.start_ticks,
+                argv[2].lstrip("/"))
 
 
 def live_stubs(server_pid: int) -> list[Stub]:

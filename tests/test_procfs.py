@@ -96,3 +96,31 @@ def test_shared_memory_a_process_touches_is_counted_apart() -> None:
     finally:
         segment.close()
         segment.unlink()
+
+
+def test_threads_and_resident_shared_memory_by_segment() -> None:
+    import mmap
+    import threading
+    import uuid
+
+    name = f"procfs_test_{uuid.uuid4().hex[:8]}"
+    path = f"/dev/shm/{name}"
+    with open(path, "w+b") as f:
+        f.truncate(64 * 4096)
+        region = mmap.mmap(f.fileno(), 64 * 4096)
+    try:
+        me = procfs.process(os.getpid())
+        assert me is not None
+        assert me.shm_resident()[name] == 0  # mapped, nothing touched yet
+        region[:3 * 4096] = b"x" * (3 * 4096)
+        assert me.shm_resident()[name] == 3 * 4096
+        before = me.threads()
+        stop = threading.Event()
+        worker = threading.Thread(target=stop.wait)
+        worker.start()
+        assert me.threads() == before + 1
+        stop.set()
+        worker.join()
+    finally:
+        region.close()
+        os.unlink(path)

@@ -8,8 +8,12 @@ import subprocess
 import time
 from typing import Any
 
+import pytest
+
+from python_backends import procfs, soak
 from python_backends.client import metric_sum
 from python_backends.soak import (
+    DeadStubs,
     FaultLog,
     MemoryWatch,
     Outcome,
@@ -69,6 +73,40 @@ def test_growth_in_the_second_half_tells_settled_memory_from_growing() -> None:
     assert watch._second_half_growth(1) == 0.0
     assert watch._second_half_growth(2) == 50.0
     assert watch._second_half_growth(3) == 0.0  # never sampled after its warm-up
+
+
+def test_tritonserver_s_segments_of_dead_stubs_are_told_apart(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process plays tritonserver mapping two stub segments; one stub is alive."""
+    import mmap
+    import uuid
+
+    from python_backends.watchdog import STUB_SEGMENT_PREFIX, Stub
+
+    names = [f"{STUB_SEGMENT_PREFIX}test_{uuid.uuid4().hex[:8]}" for _ in range(2)]
+    regions = []
+    try:
+        for name, pages in zip(names, (2, 5), strict=True):
+            with open(f"/dev/shm/{name}", "w+b") as f:
+                f.truncate(8 * 4096)
+                regions.append(mmap.mmap(f.fileno(), 8 * 4096))
+            regions[-1][:pages * 4096] = b"x" * (pages * 4096)
+        monkeypatch.setattr(soak, "live_stubs",
+                            lambda pid: [Stub(1, "worker", "worker_0_0", region=names[0])])
+        dead = DeadStubs.of(os.getpid())
+    finally:
+        for region in regions:
+            region.close()
+        for name in names:
+            os.unlink(f"/dev/shm/{name}")
+    assert (dead.segments, dead.resident) == (1, 5 * 4096) and dead.threads >= 1
+    mib = 2**20
+    base = procfs.Memory(anon=60 * mib, file=30 * mib, shmem=10 * mib)
+    end = procfs.Memory(anon=70 * mib, file=30 * mib, shmem=30 * mib)
+    fields = DeadStubs(300, 0, 0).compare(DeadStubs(900, 2, 20 * mib), base, end)
+    assert fields == {"threads": [300, 900], "dead_stub_segments": [0, 2],
+                      "dead_stub_segments_mb": [0.0, 20.0],
+                      "growth_without_dead_stub_segments_pct": 10.0}
 
 
 def test_an_instance_holding_kv_blocks_reports_its_sequences_too() -> None:

@@ -100,14 +100,14 @@ def test_live_stubs_reads_the_process_table(tmp_path: Path) -> None:
     model_file = tmp_path / "repo" / "front" / "1" / "model.py"
     model_file.parent.mkdir(parents=True)
     model_file.write_text("import time\ntime.sleep(60)\n")
-    proc = subprocess.Popen([str(stub), str(model_file), "shm", "1", "1", str(os.getpid()),
+    proc = subprocess.Popen([str(stub), str(model_file), "segment", "1", "1", str(os.getpid()),
                              "lib", "1", "front_0_0", "DEFAULT"])
     try:
         me = procfs.process(proc.pid)
         assert me is not None
         started = me.start_ticks
         assert _eventually(lambda: live_stubs(os.getpid()) ==
-                           [Stub(proc.pid, "front", "front_0_0", started)])
+                           [Stub(proc.pid, "front", "front_0_0", started, "segment")])
         os.kill(proc.pid, signal.SIGKILL)  # not reaped: a zombie
         assert _eventually(lambda: live_stubs(os.getpid()) == [])
     finally:
