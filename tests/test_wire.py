@@ -4,7 +4,9 @@ wire module writes, and each message survives its encoding (batched or not)."""
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -18,11 +20,13 @@ from python_backends.wire import (
     ClientOutput,
     EngineRequest,
     GenerationRequest,
+    Kind,
     Message,
     PrefillAnswer,
     TensorSpec,
     TokenizedRequest,
     TokenStep,
+    _tensor,
 )
 
 REPOSITORY = Path(__file__).resolve().parents[1] / "model_repository"
@@ -110,6 +114,29 @@ def test_a_token_step_travels_as_one_packed_tensor() -> None:
     assert arr.nbytes == len(step.pack()) < 64
     failed = TokenStep([], [], "error", 3, 0, "engine: 中文 failed", "internal")
     assert TokenStep.unpack(failed.pack()) == failed
+
+
+@dataclass(frozen=True)
+class EveryKind(Message):
+    PACKED: ClassVar[str] = "ALL"
+    JSON_TYPES: ClassVar[dict[str, type]] = {"request": GenerationRequest}
+    i: int = _tensor("I", Kind.INT)
+    u: int = _tensor("U", Kind.UINT64)
+    f: float = _tensor("F", Kind.FLOAT)
+    b: bool = _tensor("B", Kind.BOOL)
+    text: str = _tensor("T", Kind.TEXT)
+    blob: bytes = _tensor("BL", Kind.BLOB)
+    request: GenerationRequest = _tensor("J", Kind.JSON)
+    ints: list[int] = _tensor("IS", Kind.INTS)
+    floats: list[float] = _tensor("FS", Kind.FLOATS)
+    texts: list[str] = _tensor("TS", Kind.TEXTS)
+
+
+def test_every_kind_of_field_can_be_packed() -> None:
+    message = EveryKind(-7, 2**64 - 1, 0.5, True, "é", b"\0\xff", REQUEST, [1, -2], [0.25],
+                        ["a", "", "中"])
+    assert EveryKind.decode(message.encode(batched=False)) == message
+    assert EveryKind.names() == ["ALL"]
 
 
 def test_a_damaged_packed_message_is_refused() -> None:
