@@ -38,6 +38,7 @@ import requests
 from python_backends import procfs
 from python_backends.client import GenerateError, LLMClient, as_list, metric_sum, scrape
 from python_backends.config import RANK_MODULE
+from python_backends.diagnostics import request_stack_dumps
 from python_backends.launcher import TritonServer
 from python_backends.watchdog import STUB_SEGMENT_PREFIX, live_stubs, stub_of
 
@@ -137,6 +138,9 @@ class Soak:
         self.tally = Tally()
         self.faults = FaultLog()
         self.memory = MemoryWatch(options.warmup_s)
+        self.load = LoadWatch(lambda: scrape(triton.options.metrics_url))
+        self.first_hang: dict[str, Any] | None = None
+        self._hang_lock = threading.Lock()
         self._stop = threading.Event()
 
     @property
@@ -148,7 +152,7 @@ class Soak:
         return self.triton.process is not None and self.triton.process.poll() is None
 
     def run(self) -> dict[str, Any]:
-        start = time.monotonic()
+        start = self.started = time.monotonic()
         clients = [threading.Thread(target=self._client, args=(i,), name=f"soak-client-{i}")
                    for i in range(self.options.clients)]
         for t in clients:
@@ -165,14 +169,18 @@ class Soak:
         times = [start + duration * (i + 1) / (len(faults) + 1) for i in range(len(faults))]
         for at, fault in zip(times, faults, strict=True):
             while time.monotonic() < at and self.server_alive():
-                self.memory.sample(self.server_pid)
+                self._sample()
                 time.sleep(min(2.0, max(0.0, at - time.monotonic())))
             if not self.server_alive():
                 return  # nothing left to soak: the report says so
             self.faults.record(fault, inject(fault, self.server_pid))
         while time.monotonic() < start + duration and self.server_alive():
-            self.memory.sample(self.server_pid)
+            self._sample()
             time.sleep(2.0)
+
+    def _sample(self) -> None:
+        self.memory.sample(self.server_pid)
+        self.load.sample(time.monotonic() - self.started)
 
     def _client(self, index: int) -> None:
         rng = random.Random(self.options.seed * 1000 + index)
@@ -188,7 +196,22 @@ class Soak:
                 outcome, detail = (Outcome.LOST_WITH_FRONT if lost else Outcome.HUNG), repr(e)
             except Exception as e:
                 outcome, detail = Outcome.UNEXPECTED, repr(e)
+            if outcome is Outcome.HUNG:
+                self._on_hang(kind, start)
             self.tally.add(kind, outcome, detail)
+
+    def _on_hang(self, kind: str, sent: float) -> None:
+        """The first hung request: note when it was sent and given up on, the engines' load
+        then, and have every stub write its stacks into the server log while the hang lasts."""
+        with self._hang_lock:
+            if self.first_hang is not None or not self.server_alive():
+                return
+            now = time.monotonic()
+            self.first_hang = {"kind": kind, "sent_at_s": round(sent - self.started, 1),
+                               "given_up_at_s": round(now - self.started, 1),
+                               "load": self.load.sample(now - self.started, force=True),
+                               "stacks_dumped": request_stack_dumps(self.server_pid)}
+        print(f"[soak] first hung request: {self.first_hang}", flush=True)
 
     def greedy_outcome(self, prompt: str, ids: list[int]) -> tuple[Outcome, str]:
         want = self.reference[prompt]
@@ -208,6 +231,8 @@ class Soak:
             "outcomes": {o.value: self.tally.counts.get(o.value, 0) for o in Outcome},
             "by_kind": dict(sorted(self.tally.by_kind.items())),
             "examples": self.tally.examples,
+            "first_hang": self.first_hang,
+            "load": self.load.samples,
             "faults": [{"at_s": round(t - self.faults.events[0][0], 1) if self.faults.events
                         else 0, "fault": f, "what": w} for t, f, w in self.faults.events],
             "kv_blocks_held_at_end": held,
@@ -279,6 +304,53 @@ def held_by_instance(metrics: dict[str, Any]) -> dict[str, dict[str, float]]:
     return {i: {"blocks": v, **{name.removeprefix("llm_"): gauges[name].get(i, float("nan"))
                                 for name in HOLDER_GAUGES}}
             for i, v in held.items()}
+
+
+ENGINE_GROUPS = ("worker", "prefill", "decode")
+LOAD_INTERVAL_S = 10.0
+
+
+class LoadWatch:
+    """The engines' load over the run, every `interval_s`: sequences running and waiting and KV
+    blocks used per engine group, and preemptions so far. A request can go unanswered for the
+    client's timeout because it is stuck or because it waits behind a backlog; a timeline whose
+    waiting sequences and preemptions climb tells the second."""
+
+    def __init__(self, scrape_metrics: Callable[[], dict[str, Any]],
+                 interval_s: float = LOAD_INTERVAL_S) -> None:
+        self._scrape = scrape_metrics
+        self.interval_s = interval_s
+        self.samples: list[dict[str, Any]] = []
+        self._last = float("-inf")
+        self._lock = threading.Lock()
+
+    def sample(self, at_s: float, force: bool = False) -> dict[str, Any] | None:
+        """Scrape if `interval_s` passed since the last sample (or `force`); returns the sample,
+        None when not due or the scrape failed (a fault may have the server busy restarting)."""
+        with self._lock:
+            if not force and at_s - self._last < self.interval_s:
+                return None
+            self._last = at_s
+        try:
+            metrics = self._scrape()
+        except requests.RequestException:
+            return None
+        row: dict[str, Any] = {"at_s": round(at_s, 1)}
+        for key, name in (("running", "llm_num_requests_running"),
+                          ("waiting", "llm_num_requests_waiting"),
+                          ("kv_blocks", BLOCKS_METRIC)):
+            row[key] = {g: metric_sum(metrics, name, model=g) for g in ENGINE_GROUPS}
+        row["preemptions"] = metric_sum(metrics, "llm_num_preemptions_total")
+        with self._lock:
+            self.samples.append(row)
+        return row
+
+
+def format_load(row: dict[str, Any]) -> str:
+    """One load sample on one line: running/waiting/KV blocks per engine group."""
+    groups = "  ".join(f"{g} {row['running'][g]:.0f}/{row['waiting'][g]:.0f}/"
+                       f"{row['kv_blocks'][g]:.0f}" for g in ENGINE_GROUPS)
+    return f"{row['at_s']:>7.1f} s  {groups}  preemptions {row['preemptions']:.0f}"
 
 
 def inject(fault: str, server_pid: int) -> str:
@@ -535,8 +607,21 @@ def print_report(report: dict[str, Any]) -> None:
                   f"dead stubs {row['dead_stub_segments'][0]} -> {row['dead_stub_segments'][1]}"
                   f" ({row['dead_stub_segments_mb'][1]:.1f} MiB resident); without them "
                   f"{row['growth_without_dead_stub_segments_pct']:+.1f}%")
+    if report["load"]:
+        every = max(1, round(60.0 / LOAD_INTERVAL_S))  # about a line a minute
+        print("engine load (running/waiting/KV blocks used per group):")
+        for row in report["load"][::every]:
+            print(f"  {format_load(row)}")
+    if report["first_hang"]:
+        hang = report["first_hang"]
+        print(f"first hung request: {hang['kind']}, sent at {hang['sent_at_s']:.0f} s, given up "
+              f"at {hang['given_up_at_s']:.0f} s; {hang['stacks_dumped']} processes wrote "
+              "their stacks into the server log then; load: "
+              + (format_load(hang["load"]) if hang["load"] else "unknown"))
     for outcome, shown in report["examples"].items():
         print(f"examples of {outcome}:", *shown, sep="\n  ")
+    if report.get("server_log"):
+        print(f"server log kept: {report['server_log']}")
     print("OK" if report["ok"] else "FAILED", flush=True)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -31,6 +32,8 @@ from python_backends.soak import (
     as_json,
     print_report,
 )
+
+RESULTS_DIR = Path(__file__).resolve().parent.parent / "bench-results"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -101,11 +104,16 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[soak] tritonserver died; the end of its log ({log}):",
                       *log.read_text(errors="replace").splitlines()[-80:], sep="\n  ",
                       flush=True)
-    if args.max_memory_growth is not None:
-        grown = [r for r in report["memory"]
-                 if r["growth_pct"] > args.max_memory_growth and not r["exited"]]
-        report["memory_ok"] = not grown
-        report["ok"] = report["ok"] and not grown
+        if args.max_memory_growth is not None:
+            grown = [r for r in report["memory"]
+                     if r["growth_pct"] > args.max_memory_growth and not r["exited"]]
+            report["memory_ok"] = not grown
+            report["ok"] = report["ok"] and not grown
+        if not report["ok"] and args.log is None:  # a failed run keeps its server log
+            kept = RESULTS_DIR / f"soak-{time.strftime('%Y%m%d-%H%M%S')}.log"
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(log, kept)
+            report["server_log"] = str(kept)
     print_report(report)
     if args.json:
         args.json.write_text(as_json(report))

@@ -9,15 +9,18 @@ import time
 from typing import Any
 
 import pytest
+import requests
 
 from python_backends import procfs, soak
 from python_backends.client import metric_sum
 from python_backends.soak import (
     DeadStubs,
     FaultLog,
+    LoadWatch,
     MemoryWatch,
     Outcome,
     Tally,
+    format_load,
     held_by_instance,
     wait_engines_idle,
 )
@@ -161,3 +164,38 @@ def test_blocks_held_by_engines_that_compute_nothing_are_reported_after_the_stal
 
 def test_an_idle_server_is_not_waited_for() -> None:
     assert _Drain(blocks=[0.0], busy=[3.0]).wait() == (0.0, 0.0)
+
+
+def test_the_load_timeline_samples_each_group_at_its_interval_and_survives_a_failed_scrape(
+) -> None:
+    def series(**values: float) -> dict[frozenset[tuple[str, str]], float]:
+        return {frozenset({("model", i.split("_")[0]), ("instance", i)}): v
+                for i, v in values.items()}
+
+    scrapes: list[dict[str, Any] | None] = [
+        {"llm_num_requests_running": series(worker_0_0=3.0, worker_0_1=2.0, decode_0_0=1.0),
+         "llm_num_requests_waiting": series(worker_0_0=4.0),
+         "llm_kv_cache_blocks_used": series(worker_0_0=30.0, prefill_0_0=6.0),
+         "llm_num_preemptions_total": series(worker_0_0=2.0, decode_0_0=1.0)},
+        None,  # the server is busy restarting a stub: no sample, no error
+        {},
+    ]
+
+    def scrape() -> dict[str, Any]:
+        got = scrapes.pop(0)
+        if got is None:
+            raise requests.ConnectionError("refused")
+        return got
+
+    watch = LoadWatch(scrape, interval_s=10.0)
+    first = watch.sample(0.0)
+    assert first == {"at_s": 0.0, "running": {"worker": 5.0, "prefill": 0.0, "decode": 1.0},
+                     "waiting": {"worker": 4.0, "prefill": 0.0, "decode": 0.0},
+                     "kv_blocks": {"worker": 30.0, "prefill": 6.0, "decode": 0.0},
+                     "preemptions": 3.0}
+    assert watch.sample(5.0) is None  # not due: nothing scraped
+    assert watch.sample(10.0) is None  # due, but the scrape failed
+    assert watch.sample(12.0, force=True) is not None  # a hang asks for one now
+    assert [row["at_s"] for row in watch.samples] == [0.0, 12.0] and not scrapes
+    assert format_load(first) == ("    0.0 s  worker 5/4/30  prefill 0/0/6  decode 1/0/0  "
+                                  "preemptions 3")

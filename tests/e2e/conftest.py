@@ -17,10 +17,9 @@ import openai
 import pytest
 import requests
 
-from python_backends import procfs
 from python_backends.client import GenerateError, LLMClient, metric_sum, parse_metrics, scrape
 from python_backends.config import DEFAULT_ENGINE_DIR
-from python_backends.diagnostics import STACK_DUMP_SIGNAL
+from python_backends.diagnostics import request_stack_dumps
 from python_backends.launcher import (
     UPSTREAM_ABORT,
     ServerError,
@@ -68,10 +67,7 @@ class Server:
         the server log's last lines: what a failed test reports, so a hang in CI can be read."""
         assert self.triton.process is not None
         start = self.log_file.stat().st_size
-        for proc in procfs.running_descendants(self.triton.process.pid):
-            if proc.catches(STACK_DUMP_SIGNAL):  # one at a time: they share the log
-                os.kill(proc.pid, STACK_DUMP_SIGNAL)
-                time.sleep(0.3)  # each process writes its own dump
+        request_stack_dumps(self.triton.process.pid)
         time.sleep(0.5)
         with self.log_file.open("rb") as f:
             before = f.read(start).decode(errors="replace").splitlines()
