@@ -137,13 +137,12 @@ class ServerOptions:
     # (the autoscaler resizes instance groups, the stub watchdog reloads a model whose stub
     # died); "none": it may not. Every model is loaded at start either way.
     model_control: str = "explicit"
-    # Threads per Python model instance in Triton's parent process. Every BLS request from the
-    # front holds one until its first response arrives, and every response the front
-    # sends passes through one, so the pool bounds how many requests reach the engines at once.
-    # (The backend's default, 32, kept all but 32 waiting requests out of the engines' queues,
-    # which then could not apply priority or tenant fairness to them.) Keep it above the
-    # front's max_waiting_requests.
-    python_threads: int = 320
+    # Threads per Python model instance in Triton's parent process (`thread-pool-size`). Each
+    # BLS call holds one until the call's first response, and every response a model sends
+    # passes through one. Engines accept each call at once (serving.common.accepted), so no
+    # thread waits for a queued request and the backend's default, 32, serves any queue depth;
+    # every instance has its own pool, dead ones included (Triton 2.51 never frees those).
+    python_threads: int = 32
     extra_args: tuple[str, ...] = field(default_factory=tuple)
     role: str = "all"  # ROLE_MODELS
     # A front's engine groups on other servers: group -> "host:port,..." or "dns:NAME:PORT"

@@ -127,8 +127,8 @@ class EngineCall:
 
 def engine_calls(requests: list[Any], boards: BoardCache, model: str) -> Iterator[EngineCall]:
     """Decode each request of an engine model's `execute`, recording this process as its holder
-    on the front's board; a malformed one (a bug in its caller) is answered with an error at
-    once and skipped."""
+    on the front's board, and accept it at once with an empty response (see `accepted`); a
+    malformed one (a bug in its caller) is answered with an error at once and skipped."""
     for request in requests:
         sender = request.get_response_sender()
         try:
@@ -139,7 +139,18 @@ def engine_calls(requests: list[Any], boards: BoardCache, model: str) -> Iterato
             continue
         if board is not None:  # the front watches this process while it holds the request
             board.hold(msg.cancel_ticket, os.getpid())
+        sender.send(accepted())
         yield EngineCall(sender, msg, board, msg.cancel_ticket if board else 0)
+
+
+def accepted() -> Any:
+    """An engine's first answer to every call it takes: no tensors, not final. Triton 2.51's
+    Python backend serves a decoupled BLS call on a thread of the caller's instance pool
+    (`thread-pool-size`, per instance, in tritonserver) until the call's first response; an
+    engine that answered only with its first token kept one thread per queued request, and so
+    needed a pool as deep as the front's queue in every instance (also in each dead one that
+    Triton never frees). Callers skip it: it carries nothing."""
+    return pb_utils.InferenceResponse(output_tensors=[])
 
 
 def error_response(message: str, code: Any = None) -> Any:

@@ -487,7 +487,9 @@ class FrontModel:
         moved = None
         try:
             for reply in self._answers(model, engine_request, TokenStep, link):
-                link.first_response()  # a token, an error or the end ends the wait
+                if not (reply.outputs or reply.error):
+                    continue  # the engine's acceptance (serving.common.accepted)
+                link.first_response()  # a token or an error ends the wait
                 if reply.error:  # keeps the engine's kind: a refusal is the client's
                     link.fail(reply.error, error_code(reply.kind))
                     continue

@@ -19,9 +19,10 @@ def test_tenants_take_turns_behind_a_long_queue(server: Server, tmp_path: Path) 
     """With one sequence running at a time, tenant A queues 64 requests and then B queues 2.
     First come, first served would start B's after all of A's; the deficit round robin starts
     them within a few admissions of their arrival at the worker. That also needs all of A's
-    inside the worker's queue: at the Python backend's default thread pool (32) the rest waited
-    in front of the worker, in arrival order, and B's came after them (40 of A's started
-    between B's arrival and start)."""
+    inside the worker's queue, while the server runs the Python backend's default thread pool
+    (32 per instance): the worker accepts each call at once (serving.common.accepted). Without
+    that, the rest waited in front of the worker in arrival order and B's came after them (40
+    of A's started between B's arrival and start)."""
     one_at_a_time = engine_variant(ENGINE_DIR, tmp_path / "batch1", max_num_seqs=1)
     repo = server.options.repository()
     started: dict[str, float] = {}

@@ -1,67 +1,17 @@
 """The front model's parts that need no server. ClientLink: exactly one final flag per request,
 and a failure after a stream's first chunk ends the stream as data (finish_reason "error"),
 never as a Triton error, which the 2.51 ensemble would leave in flight. served_groups: the
-engine groups a front sends work to, by its server's role. pb_utils is faked at the edge:
-responses are recorded as the tensors or the error they carry."""
+engine groups a front sends work to, by its server's role. pb_utils is faked at the edge
+(conftest)."""
 
 from __future__ import annotations
 
-import importlib
-import sys
 import types
-from collections.abc import Iterator
-from typing import Any
 
-import numpy as np
 import pytest
 
 from python_backends.wire import FINISH_ERROR, ClientChunk
-
-FINAL = 1
-
-
-class FakeError:
-    INVALID_ARG, UNAVAILABLE, INTERNAL = "INVALID_ARG", "UNAVAILABLE", "INTERNAL"
-
-    def __init__(self, message: str, code: str) -> None:
-        self.message, self.code = message, code
-
-
-class FakeResponse:
-    def __init__(self, tensors: list[Any] | None = None, error: FakeError | None = None) -> None:
-        self.outputs = {t.name: t.array for t in tensors or []}
-        self.error = error
-
-
-class FakeTensor:
-    def __init__(self, name: str, array: np.ndarray) -> None:
-        self.name, self.array = name, array
-
-
-class Sender:
-    def __init__(self) -> None:
-        self.sent: list[tuple[FakeResponse | None, int]] = []
-
-    def send(self, answer: FakeResponse | None = None, flags: int = 0) -> None:
-        self.sent.append((answer, flags))
-
-    def is_cancelled(self) -> bool:
-        return False
-
-
-@pytest.fixture
-def front(monkeypatch: pytest.MonkeyPatch) -> Iterator[types.ModuleType]:
-    pb = types.ModuleType("triton_python_backend_utils")
-    pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL = FINAL  # type: ignore[attr-defined]
-    pb.TritonError = FakeError  # type: ignore[attr-defined]
-    pb.InferenceResponse = FakeResponse  # type: ignore[attr-defined]
-    pb.Tensor = FakeTensor  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", pb)
-    for name in ("python_backends.serving.common", "python_backends.serving.front"):
-        monkeypatch.delitem(sys.modules, name, raising=False)
-    yield importlib.import_module("python_backends.serving.front")
-    for name in ("python_backends.serving.common", "python_backends.serving.front"):
-        sys.modules.pop(name, None)  # the next importer gets the real pb_utils, or none
+from tests.serving.conftest import FINAL, FakeError, FakeResponse, Sender
 
 
 def _chunk(ids: list[int], finish_reason: str = "") -> ClientChunk:
