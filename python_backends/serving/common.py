@@ -7,6 +7,7 @@ import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +16,7 @@ import triton_python_backend_utils as pb_utils
 
 from python_backends.config import engine_dir_default
 from python_backends.flag_board import BoardCache, FlagBoard
+from python_backends.serving.outbox import Outbox, caller_lane
 from python_backends.wire import EngineRequest, Message
 
 if TYPE_CHECKING:
@@ -125,21 +127,24 @@ class EngineCall:
         return bool(self.sender.is_cancelled())
 
 
-def engine_calls(requests: list[Any], boards: BoardCache, model: str) -> Iterator[EngineCall]:
+def engine_calls(requests: list[Any], boards: BoardCache, outbox: Outbox, model: str
+                 ) -> Iterator[EngineCall]:
     """Decode each request of an engine model's `execute`, recording this process as its holder
     on the front's board, and accept it at once with an empty response (see `accepted`); a
-    malformed one (a bug in its caller) is answered with an error at once and skipped."""
+    malformed one (a bug in its caller) is answered with an error and skipped. Both go out on
+    the caller's outbox lane, as every later response of the call does: a send to a caller
+    that died never returns, and must not stall `execute`."""
     for request in requests:
         sender = request.get_response_sender()
         try:
             msg = EngineRequest.decode(inputs_of(request))
             board = boards.get(msg.cancel_board) if msg.cancel_board else None
         except Exception as e:
-            sender.send(error_response(f"{model}: bad request: {e}"), flags=FINAL)
+            outbox.put(sender, partial(error_response, f"{model}: bad request: {e}"), FINAL)
             continue
         if board is not None:  # the front watches this process while it holds the request
             board.hold(msg.cancel_ticket, os.getpid())
-        sender.send(accepted())
+        outbox.put(sender, accepted, 0, caller_lane(board))
         yield EngineCall(sender, msg, board, msg.cancel_ticket if board else 0)
 
 

@@ -116,13 +116,14 @@ class GeneratorModel(EngineListener):
         self.loop.start()
 
     def execute(self, requests: list[Any]) -> None:
-        for call in engine_calls(requests, self._boards, self.name):
+        for call in engine_calls(requests, self._boards, self.outbox, self.name):
             msg, req = call.message, call.message.request
             try:
                 handle = KVHandle.from_json(msg.kv_handle) if msg.kv_handle else None
             except Exception as e:  # a bug in the caller: answer it, keep serving
-                call.sender.send(error_response(f"{self.name}: bad KV handle: {e}"),
-                                 flags=FINAL)
+                self.outbox.put(call.sender, partial(
+                    error_response, f"{self.name}: bad KV handle: {e}"), FINAL,
+                    caller_lane(call.board))
                 continue
             seq_id = uuid.uuid4().hex
             self._callers[seq_id] = _Caller(call, len(req.prompt_ids), req.engine_fault, handle)

@@ -87,7 +87,7 @@ class PrefillModel:
             self.kv_metrics.expired_leases.increment(num_expired)
 
     def execute(self, requests: list[Any]) -> None:
-        for call in engine_calls(requests, self._boards, "prefill"):
+        for call in engine_calls(requests, self._boards, self.outbox, "prefill"):
             req = call.message.request
             job = PrefillJob(req.prompt_ids, req.params, req.kv_transport, req.kv_fault,
                              req.priority, req.tenant, req.cache_salt,

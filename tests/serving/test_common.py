@@ -1,6 +1,7 @@
 """Engine calls as an engine model receives them: each valid call is accepted at once with an
 empty, non-final response (so the caller's BLS thread in tritonserver is free while the request
-queues), a malformed one gets only its error."""
+queues), a malformed one gets only its error; both on the caller's outbox lane, never sent from
+`execute` itself (a send to a dead caller never returns)."""
 
 from __future__ import annotations
 
@@ -39,18 +40,30 @@ class Request:
         return self._inputs
 
 
+class Outbox:
+    """Records what is put on which lane, as (response, flags, lane), in order."""
+
+    def __init__(self) -> None:
+        self.put_: list[tuple[Any, int, str]] = []
+
+    def put(self, sender: Sender, make_response: Any, flags: int = 0, lane: str = "") -> None:
+        self.put_.append((make_response(), flags, lane))
+
+
 def test_a_call_is_accepted_before_it_is_handed_over_and_a_bad_one_only_refused(
     front: types.ModuleType,
 ) -> None:
     common: Any = sys.modules["python_backends.serving.common"]
     message = EngineRequest(GenerationRequest([1, 2, 3], SamplingParams(max_tokens=4)))
     good, bad = Request(message.encode(False)), Request({"REQUEST": np.array([b"{"])})
-    seen = []
-    for call in common.engine_calls([bad, good], BoardCache(), "worker"):
+    outbox, seen = Outbox(), []
+    for call in common.engine_calls([bad, good], BoardCache(), outbox, "worker"):
         seen.append(call)
-        [(answer, flags)] = good.sender.sent  # accepted by the time the engine gets it
-        assert flags == 0 and answer is not None and not answer.outputs and answer.error is None
+        refusal, acceptance = outbox.put_  # on the lanes by the time the engine gets the call
     assert [c.message for c in seen] == [message] and seen[0].sender is good.sender
-    [(refusal, flags)] = bad.sender.sent
-    assert flags == FINAL and refusal is not None and refusal.error is not None
-    assert "worker: bad request" in refusal.error.message
+    answer, flags, lane = acceptance
+    assert (flags, lane) == (0, "") and not answer.outputs and answer.error is None
+    answer, flags, lane = refusal
+    assert flags == FINAL and answer.error is not None
+    assert "worker: bad request" in answer.error.message
+    assert not good.sender.sent and not bad.sender.sent  # nothing sent from execute itself
