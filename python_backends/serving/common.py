@@ -119,6 +119,11 @@ class EngineCall:
     board: FlagBoard | None
     ticket: int
 
+    @property
+    def lane(self) -> str:
+        """The outbox lane of the caller: its front instance, or direct callers."""
+        return caller_lane(self.board)
+
     def is_cancelled(self) -> bool:
         """The client cancelled, or the front that asked is gone; a caller without a board (a
         front on another server, a direct client) cancels its Triton request instead."""
@@ -144,8 +149,9 @@ def engine_calls(requests: list[Any], boards: BoardCache, outbox: Outbox, model:
             continue
         if board is not None:  # the front watches this process while it holds the request
             board.hold(msg.cancel_ticket, os.getpid())
-        outbox.put(sender, accepted, 0, caller_lane(board))
-        yield EngineCall(sender, msg, board, msg.cancel_ticket if board else 0)
+        call = EngineCall(sender, msg, board, msg.cancel_ticket if board else 0)
+        outbox.put(sender, accepted, 0, call.lane)
+        yield call
 
 
 def accepted() -> Any:

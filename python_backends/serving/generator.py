@@ -43,7 +43,7 @@ from python_backends.serving.common import (
 )
 from python_backends.serving.engine_options import cpu_threads, prefix_caching
 from python_backends.serving.metrics import EngineMetrics, KVTransferMetrics
-from python_backends.serving.outbox import Outbox, caller_gone, caller_lane
+from python_backends.serving.outbox import Outbox, caller_gone
 from python_backends.wire import ErrorKind, TokenStep
 
 log = logging.getLogger(__name__)
@@ -71,8 +71,7 @@ class _Caller:
 
     @property
     def lane(self) -> str:
-        """The outbox lane of the caller: its front instance, or direct callers."""
-        return caller_lane(self.call.board)
+        return self.call.lane
 
 
 def step_response(step: TokenStep) -> Any:
@@ -122,8 +121,7 @@ class GeneratorModel(EngineListener):
                 handle = KVHandle.from_json(msg.kv_handle) if msg.kv_handle else None
             except Exception as e:  # a bug in the caller: answer it, keep serving
                 self.outbox.put(call.sender, partial(
-                    error_response, f"{self.name}: bad KV handle: {e}"), FINAL,
-                    caller_lane(call.board))
+                    error_response, f"{self.name}: bad KV handle: {e}"), FINAL, call.lane)
                 continue
             seq_id = uuid.uuid4().hex
             self._callers[seq_id] = _Caller(call, len(req.prompt_ids), req.engine_fault, handle)

@@ -58,5 +58,3 @@ def front(monkeypatch: pytest.MonkeyPatch) -> Iterator[types.ModuleType]:
     yield importlib.import_module("python_backends.serving.front")
     for name in ("python_backends.serving.common", "python_backends.serving.front"):
         sys.modules.pop(name, None)  # the next importer gets the real pb_utils, or none
-
-
