@@ -1,0 +1,223 @@
+"""How fast any server could serve a workload with this engine's projections on this machine,
+against how fast the engine serves it driven alone: a roofline measured, not looked up.
+
+Two floors hold for every LLM server, whatever its serving path:
+- arithmetic: every token of every prompt and every generated token but the last goes through
+  every projection (2 FLOPs per weight), and every sampled token through the LM head;
+- weight reads: a request of O output tokens needs O steps one after another (one for its prompt,
+  which samples the first token, then one per later token), and a step reads every weight once.
+  With C requests in flight, a level of n requests takes at least ceil(n / C) * O steps.
+A level's time is at least the larger of the two, with the rates measured here with the engine's
+own kernels: the projections of a prompt-sized batch (the arithmetic rate) and of one token (a
+step's weight-read time). Attention, norms and everything else count as free, so the bound is
+optimistic; `cores` > 1 assumes perfect scaling, so it is more optimistic still.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from python_backends.engine.llm_engine import LLMEngine
+from python_backends.models.llama import LlamaForCausalLM
+from python_backends.parallel.layers import Linear
+from python_backends.params import SamplingParams
+
+
+@dataclass(frozen=True)
+class Projections:
+    """The dense projections of a model, as the engine computes them."""
+
+    modules: tuple[Linear, ...]
+    lm_head: Linear | None
+
+    @classmethod
+    def of(cls, model: LlamaForCausalLM) -> Projections:
+        if model.config.num_experts:
+            raise ValueError("the roofline covers dense models; this one has experts")
+        body = tuple(m for m in model.model.modules() if isinstance(m, Linear))
+        return cls(body, model.lm_head)
+
+    @property
+    def flops_per_token(self) -> float:
+        """Every projection but the LM head, for one token."""
+        return 2.0 * sum(m.in_features * m.out_features for m in self.modules)
+
+    @property
+    def lm_head_flops(self) -> float:
+        head = self.lm_head
+        return 2.0 * head.in_features * head.out_features if head is not None else 0.0
+
+    @property
+    def weight_bytes(self) -> int:
+        """What a step reads: int8 projections one byte per weight, the rest their dtype's."""
+        total = 0
+        for m in self.all():
+            size = 1 if m.quantized is not None else _dtype_of(m).itemsize
+            total += m.in_features * m.out_features * size
+        return total
+
+    def all(self) -> tuple[Linear, ...]:
+        return self.modules + ((self.lm_head,) if self.lm_head is not None else ())
+
+    def run(self, rows: int, repeats: int) -> float:
+        """Seconds one pass of `rows` tokens through every projection takes (best of
+        `repeats`, after one pass to warm up)."""
+        inputs = {m.in_features: torch.randn(rows, m.in_features).to(_dtype_of(m))
+                  for m in self.all()}
+        best = math.inf
+        with torch.inference_mode():
+            for i in range(repeats + 1):
+                start = time.perf_counter()
+                for m in self.all():
+                    m(inputs[m.in_features])
+                if i:
+                    best = min(best, time.perf_counter() - start)
+        return best
+
+
+def _dtype_of(m: Linear) -> torch.dtype:
+    # An int8 projection computes on float32 inputs; a packed one keeps its dtype in `packed`.
+    if m.quantized is not None:
+        return torch.float32
+    return m.packed.dtype if m.packed is not None else m.weight.dtype
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Measured on this process's torch threads."""
+
+    flops_per_s: float  # the projections on `prompt_rows` tokens at once
+    step_read_s: float  # one token through every projection: a step's weight-read floor
+    prompt_rows: int
+
+    def min_step_s(self, cores: int = 1) -> float:
+        """The shortest step, so the shortest time between two tokens of one stream."""
+        return self.step_read_s / cores
+
+
+def measure(projections: Projections, prompt_rows: int = 512, repeats: int = 3) -> Rates:
+    flops = prompt_rows * (projections.flops_per_token + projections.lm_head_flops)
+    return Rates(flops_per_s=flops / projections.run(prompt_rows, repeats),
+                 step_read_s=projections.run(1, repeats), prompt_rows=prompt_rows)
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompt_tokens: int
+    output_tokens: int
+    concurrency: int
+    requests: int
+
+    def __post_init__(self) -> None:
+        if min(self.prompt_tokens, self.output_tokens, self.concurrency, self.requests) < 1:
+            raise ValueError(f"every part of a workload must be at least 1: {self}")
+
+    def flops(self, projections: Projections) -> float:
+        per_request = ((self.prompt_tokens + self.output_tokens - 1) * projections.flops_per_token
+                       + self.output_tokens * projections.lm_head_flops)
+        return self.requests * per_request
+
+    @property
+    def min_steps(self) -> int:
+        return -(-self.requests // self.concurrency) * self.output_tokens
+
+
+@dataclass(frozen=True)
+class Bound:
+    """The fastest a level could go on `cores` cores."""
+
+    cores: int
+    compute_s: float  # the arithmetic at the measured rate
+    read_s: float  # the steps' weight reads
+    output_tokens: int
+
+    @property
+    def seconds(self) -> float:
+        return max(self.compute_s, self.read_s)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+    @property
+    def limit(self) -> str:
+        return "arithmetic" if self.compute_s >= self.read_s else "weight reads"
+
+
+def bound(workload: Workload, projections: Projections, rates: Rates, cores: int = 1) -> Bound:
+    return Bound(
+        cores=cores,
+        compute_s=workload.flops(projections) / (rates.flops_per_s * cores),
+        read_s=workload.min_steps * rates.step_read_s / cores,
+        output_tokens=workload.requests * workload.output_tokens,
+    )
+
+
+@dataclass(frozen=True)
+class Driven:
+    """The engine driven alone in this process: no server, no client."""
+
+    output_tokens: int
+    seconds: float
+    steps: int
+    phases: dict[str, float]  # the engine loop's seconds per phase (LLMEngine.step_seconds)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+    @property
+    def ms_per_step(self) -> float:
+        return 1e3 * self.seconds / self.steps
+
+
+def drive(engine: LLMEngine, prompts: list[list[int]], workload: Workload,
+          max_s: float = 600.0) -> Driven:
+    """Serve `prompts` (one per request) at `workload.concurrency`, each to exactly
+    `workload.output_tokens` tokens (greedy, end ids ignored), as a server's clients would
+    keep that many requests in flight. Raises TimeoutError past `max_s`."""
+    if len(prompts) != workload.requests:
+        raise ValueError(f"{len(prompts)} prompts for {workload.requests} requests")
+    params = SamplingParams(max_tokens=workload.output_tokens)
+    phases_before = dict(engine.step_seconds)
+    queued = list(enumerate(prompts))
+    in_flight = tokens = steps = 0
+    start = time.perf_counter()
+    while queued or in_flight:
+        while queued and in_flight < workload.concurrency:
+            i, prompt = queued.pop(0)
+            engine.add_request(f"roofline-{id(prompts)}-{i}", prompt, params)
+            in_flight += 1
+        events = engine.step()
+        steps += 1
+        tokens += len(events)
+        in_flight -= sum(e.finish_reason is not None for e in events)
+        if time.perf_counter() - start > max_s:
+            for s in engine.sequences():
+                engine.abort(s.seq_id)
+            raise TimeoutError(f"the level did not finish in {max_s:.0f} s")
+    seconds = time.perf_counter() - start
+    phases = {k: v - phases_before[k] for k, v in engine.step_seconds.items()}
+    return Driven(tokens, seconds, steps, phases)
+
+
+def random_prompts(n: int, length: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
+    """Prompts of uniformly drawn token ids (ids below 100 left out: special tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    low = min(100, vocab_size - 1)
+    return torch.randint(low, vocab_size, (n, length), generator=g).tolist()
+
+
+def summary(workload: Workload, driven: Driven, bounds: list[Bound]) -> dict[str, Any]:
+    return {
+        "concurrency": workload.concurrency,
+        "engine_tok_s": driven.tokens_per_s,
+        "ms_per_step": driven.ms_per_step,
+        **{f"bound_{b.cores}_cores_tok_s": b.tokens_per_s for b in bounds},
+        **{f"limit_{b.cores}_cores": b.limit for b in bounds},
+    }
