@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -12,6 +15,17 @@ import torch
 from python_backends.config import EngineLimits, ParallelLayout
 from python_backends.engine.builder import write_engine
 from python_backends.engine.llm_engine import LLMEngine
+
+
+def load_script(name: str) -> ModuleType:
+    """scripts/<name>.py as a module (registered as `script_<name>`, so its dataclasses work)."""
+    path = Path(__file__).parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"script_{name}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 class Clock:

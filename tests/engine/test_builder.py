@@ -2,33 +2,21 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
-from python_backends.config import PROJECT_ROOT, EngineConfig, EngineConfigError, EngineLimits
+from python_backends.config import EngineConfig, EngineConfigError, EngineLimits
 from python_backends.engine.builder import build_engine
 from python_backends.engine.llm_engine import LLMEngine
 from python_backends.models.attention import AttentionMetadata
 from python_backends.parallel.layers import Linear, int8_supported, packable
 from python_backends.params import SamplingParams
-from tests.conftest import TinyModel
+from tests.conftest import TinyModel, load_script
 
-
-def _load_script(name: str) -> Any:
-    spec = importlib.util.spec_from_file_location(f"script_{name}",
-                                                  PROJECT_ROOT / "scripts" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-build_script = _load_script("build_engine")
+build_script = load_script("build_engine")
 
 
 def test_build_from_checkpoint_directory(tiny_llama: TinyModel, tmp_path: Path) -> None:

@@ -3,27 +3,18 @@ verdicts on a peer's figures written out."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-from tests.conftest import TinyModel
-
-SCRIPT = Path(__file__).parents[2] / "scripts" / "bench_engine.py"
+from tests.conftest import TinyModel, load_script
 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_engine", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_engine"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_engine")
 
 
 def test_levels_parse(bench: ModuleType) -> None:

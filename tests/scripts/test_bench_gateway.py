@@ -3,25 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-SCRIPT = Path(__file__).parents[2] / "scripts" / "bench_gateway.py"
+from tests.conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_gateway", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_gateway"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_gateway")
 
 
 def test_pairs_give_the_added_ttft_arrival_and_pace(bench: ModuleType) -> None:
