@@ -11,10 +11,11 @@ parallel worker (with --worker-tp) and the front's stub.
 Each request ends in one outcome (`Outcome`). None may be `hung`, `mismatched`, `server_error`
 or `unexpected`. `lost_with_front` is separate: requests in flight in the front's stub when it
 was killed, which Triton 2.51 never fails (their clients' own timeouts end them;
-docs/operations.md). At the end the soak waits for the engines to go idle, for as long as they
-still compute (abandoned non-streaming requests run to their end), and reports the KV blocks
-still held, the migrations, and each server process's resident memory against its size after
-warm-up.
+docs/operations.md), and so is `lost_with_server`: requests unanswered because tritonserver
+itself was gone (the report's `server_died` fails such a run). At the end the soak waits for
+the engines to go idle, for as long as they still compute (abandoned non-streaming requests run
+to their end), and reports the KV blocks still held, the migrations, and each server process's
+resident memory against its size after warm-up.
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ class Outcome(enum.Enum):
     FAILED_CLEARLY = "failed_clearly"  # ended with a clear error (a fault, no engine left)
     SERVER_ERROR = "server_error"  # HTTP 5xx, or a refusal of a valid request with no message
     LOST_WITH_FRONT = "lost_with_front"  # held by the front's stub when it was killed
+    LOST_WITH_SERVER = "lost_with_server"  # unanswered because tritonserver itself was gone
     HUNG = "hung"  # no answer within the client's timeout
     UNEXPECTED = "unexpected"  # the soak itself failed to classify it
 
@@ -127,6 +129,15 @@ class FaultLog:
     def front_killed_during(self, start: float, end: float) -> bool:
         return any(f == "front" and start <= t <= end and w.startswith("killed")
                    for t, f, w in self.events)
+
+
+def unanswered(server_alive: bool, front_killed: bool) -> Outcome:
+    """A request whose answer did not come in time, or whose connection failed: lost with the
+    server if tritonserver is gone, with the front's stub if it was killed meanwhile, else
+    hung."""
+    if not server_alive:
+        return Outcome.LOST_WITH_SERVER
+    return Outcome.LOST_WITH_FRONT if front_killed else Outcome.HUNG
 
 
 class Soak:
@@ -192,8 +203,9 @@ class Soak:
             try:
                 outcome, detail = REQUESTS[kind](self, client, rng)
             except (requests.Timeout, requests.ConnectionError) as e:
-                lost = self.faults.front_killed_during(start, time.monotonic())
-                outcome, detail = (Outcome.LOST_WITH_FRONT if lost else Outcome.HUNG), repr(e)
+                outcome = unanswered(self.server_alive(),
+                                     self.faults.front_killed_during(start, time.monotonic()))
+                detail = repr(e)
             except Exception as e:
                 outcome, detail = Outcome.UNEXPECTED, repr(e)
             if outcome is Outcome.HUNG:

@@ -22,6 +22,7 @@ from python_backends.soak import (
     Tally,
     format_load,
     held_by_instance,
+    unanswered,
     wait_engines_idle,
 )
 
@@ -36,6 +37,14 @@ def test_a_request_in_flight_when_the_front_died_is_lost_not_hung() -> None:
     assert not faults.front_killed_during(time.monotonic() + 1, time.monotonic() + 2)
     faults.record("front", "skipped: no live stub")
     assert not faults.front_killed_during(faults.events[-1][0], time.monotonic())
+
+
+def test_an_unanswered_request_is_lost_with_the_server_or_front_before_it_is_hung() -> None:
+    assert unanswered(server_alive=True, front_killed=False) is Outcome.HUNG
+    assert unanswered(server_alive=True, front_killed=True) is Outcome.LOST_WITH_FRONT
+    assert unanswered(server_alive=False, front_killed=False) is Outcome.LOST_WITH_SERVER
+    assert unanswered(server_alive=False, front_killed=True) is Outcome.LOST_WITH_SERVER
+    assert Outcome.LOST_WITH_SERVER not in soak.BAD_OUTCOMES  # server_died fails the run
 
 
 def test_tally_counts_by_outcome_and_kind_and_keeps_a_few_examples() -> None:
