@@ -47,30 +47,28 @@ class Process:
             return None
         return raw.decode(errors="replace").split("\0")[:-1]
 
+    def status(self) -> dict[str, str]:
+        """/proc/PID/status as fields by name, their values stripped (empty if it is gone)."""
+        try:
+            text = (PROC / str(self.pid) / "status").read_text()
+        except OSError:
+            return {}
+        fields = (line.partition(":") for line in text.splitlines())
+        return {key: value.strip() for key, _, value in fields}
+
     def memory(self) -> Memory | None:
         """Resident memory by kind, None if the process is gone."""
+        status = self.status()
         try:
-            status = (PROC / str(self.pid) / "status").read_text()
-        except OSError:
-            return None
-        kib = {}
-        for line in status.splitlines():
-            key, _, value = line.partition(":")
-            if key in ("RssAnon", "RssFile", "RssShmem"):
-                kib[key] = int(value.split()[0])
-        if len(kib) < 3:
-            return None  # a zombie has no memory lines
-        return Memory(anon=kib["RssAnon"] * 1024, file=kib["RssFile"] * 1024,
-                      shmem=kib["RssShmem"] * 1024)
+            anon, file, shmem = (int(status[k].split()[0]) * 1024
+                                 for k in ("RssAnon", "RssFile", "RssShmem"))
+        except KeyError:
+            return None  # gone, or a zombie, which has no memory lines
+        return Memory(anon=anon, file=file, shmem=shmem)
 
     def threads(self) -> int:
         """Its thread count (0 if it is gone)."""
-        try:
-            status = (PROC / str(self.pid) / "status").read_text()
-        except OSError:
-            return 0
-        return next((int(line.split()[1]) for line in status.splitlines()
-                     if line.startswith("Threads:")), 0)
+        return int(self.status().get("Threads", 0))
 
     def shm_resident(self) -> dict[str, int]:
         """Resident bytes of each /dev/shm segment it maps, by segment name (empty if it is
@@ -93,14 +91,8 @@ class Process:
     def catches(self, signum: int) -> bool:
         """Whether the process has a handler for `signum` (False if it is gone): sending it a
         signal it does not catch may kill it."""
-        try:
-            status = (PROC / str(self.pid) / "status").read_text()
-        except OSError:
-            return False
-        for line in status.splitlines():
-            if line.startswith("SigCgt:"):
-                return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
-        return False
+        caught = int(self.status().get("SigCgt", "0"), 16)
+        return bool(caught >> (signum - 1) & 1)
 
 
 def process(pid: int | str) -> Process | None:

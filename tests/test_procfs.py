@@ -32,6 +32,7 @@ def test_child_running_zombie_gone() -> None:
             assert time.monotonic() < deadline
             time.sleep(0.02)
         assert p is not None and p.state == "Z"  # exited, not reaped yet
+        assert p.memory() is None and p.status()["State"].startswith("Z")
         assert not procfs.running(child.pid)
         assert child.pid not in {p.pid for p in procfs.running_children(os.getpid())}
     finally:
@@ -75,7 +76,8 @@ def test_resident_memory_of_this_process() -> None:
     memory = me.memory() if me is not None else None
     assert memory is not None and 10 << 20 < memory.rss < 64 << 30
     assert memory.anon > 0 and memory.file > 0
-    assert procfs.Process(2**22 + 7, "Z", 1, 1).memory() is None  # gone
+    gone = procfs.Process(2**22 + 7, "Z", 1, 1)
+    assert gone.memory() is None and gone.threads() == 0 and gone.status() == {}
 
 
 def test_shared_memory_a_process_touches_is_counted_apart() -> None:
