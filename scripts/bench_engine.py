@@ -13,7 +13,8 @@ batches, and its minimum number of steps times the time one token takes through 
 (a step's weight reads), on one core and on every core. `--peer` takes a peer server's output
 tokens/s per level (from `scripts/bench_sweep.py --peer vllm`, same workload) and prints whether
 twice that is within the bound; `--peer-itl-ms` the same for half the peer's time between tokens
-at concurrency 1. Engine threads as in serving (`--threads`, 0: every core but one).
+at concurrency 1. Engine threads as in serving (`--threads`, 0: every core but one). Dense,
+single-rank engines (float32, bfloat16, int8 weights); others are refused with a message.
 """
 
 from __future__ import annotations

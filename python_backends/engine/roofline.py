@@ -39,6 +39,9 @@ class Projections:
     def of(cls, model: LlamaForCausalLM) -> Projections:
         if model.config.num_experts:
             raise ValueError("the roofline covers dense models; this one has experts")
+        if model.ctx.layout.world_size > 1:
+            raise ValueError("the roofline covers single-rank engines; this one has "
+                             f"{model.ctx.layout.world_size} ranks")
         body = tuple(m for m in model.model.modules() if isinstance(m, Linear))
         return cls(body, model.lm_head)
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from python_backends.config import EngineLimits
+from python_backends.config import EngineLimits, ParallelLayout
 from python_backends.engine.builder import write_engine
 from python_backends.engine.llm_engine import LLMEngine
 from python_backends.engine.roofline import (
@@ -20,6 +20,7 @@ from python_backends.engine.roofline import (
     random_prompts,
 )
 from python_backends.models.llama import LlamaForCausalLM
+from python_backends.parallel.context import ParallelContext
 from python_backends.parallel.layers import int8_supported
 from tests.conftest import TinyModel, make_tiny_llama
 
@@ -73,6 +74,13 @@ def test_models_with_experts_are_refused(tmp_path: Path) -> None:
                                         "num_experts_per_tok": 1}))
     with pytest.raises(ValueError, match="experts"):
         Projections.of(moe)
+
+
+def test_multi_rank_engines_are_refused(tmp_path: Path) -> None:
+    cfg = make_tiny_llama(tmp_path / "e").engine().config.model
+    shard = LlamaForCausalLM(cfg, ParallelContext(ParallelLayout(tp=2)))
+    with pytest.raises(ValueError, match="2 ranks"):
+        Projections.of(shard)
 
 
 def test_the_bound_is_the_larger_floor_and_scales_with_cores(tiny_llama: TinyModel) -> None:
