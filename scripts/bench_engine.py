@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     rates = measure(projections)
     print(f"[roofline] projections: {projections.weight_bytes / 1e6:.0f} MB of weights, "
           f"{projections.flops_per_token / 1e6:.0f} MFLOP per token + "
-          f"{projections.lm_head_flops / 1e6:.0f} for the LM head", flush=True)
+          f"{projections.lm_head_flops / 1e6:.0f} for the LM head; one-token steps read the "
+          f"{'plain' if engine.runner.model.one_token_plain else 'packed'} weights", flush=True)
     print(f"[roofline] one token through them: {rates.step_read_s * 1e3:.1f} ms "
           f"({projections.weight_bytes / rates.step_read_s / 1e9:.1f} GB/s); "
           f"{rates.prompt_rows} tokens at once: {rates.flops_per_s / 1e9:.0f} GFLOP/s", flush=True)

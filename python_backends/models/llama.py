@@ -16,6 +16,7 @@ V vocabulary.
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -31,9 +32,12 @@ from python_backends.parallel.layers import (
     ParallelLMHead,
     RowParallelLinear,
     VocabParallelEmbedding,
+    plain_reads_faster,
     shard_size,
 )
 from python_backends.parallel.moe import MoE
+
+log = logging.getLogger(__name__)
 
 
 class RMSNorm(nn.Module):
@@ -220,10 +224,27 @@ class LlamaForCausalLM(nn.Module):
                 n += 1
         return n
 
-    def pack_linears(self) -> int:
+    one_token_plain = False  # one-token steps read the plain float32 weights (pack_linears)
+
+    def pack_linears(self, keep_plain: bool | None = None) -> int:
         """Pre-pack every projection for oneDNN (CPU; float32, bfloat16 where the CPU has bf16
-        instructions: layers.packable); returns how many were packed."""
-        return sum(m.pack() for m in self.modules() if isinstance(m, Linear))
+        instructions: layers.packable); returns how many were packed. float32 projections also
+        keep their plain weights for one-token steps if `keep_plain`, or, when it is None,
+        where this CPU reads them faster that way (layers.plain_reads_faster, logged)."""
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        float32 = bool(linears) and all(m.weight.dtype == torch.float32 for m in linears)
+        try_plain = float32 and keep_plain is not False
+        packed = [m for m in linears if m.pack(keep_plain=try_plain)]
+        if try_plain and packed and keep_plain is None:
+            keep_plain, plain_s, packed_s = plain_reads_faster(packed)
+            log.info("one token through the projections: plain weights %.1f ms, packed %.1f ms: "
+                     "one-token steps read the %s ones", 1e3 * plain_s, 1e3 * packed_s,
+                     "plain" if keep_plain else "packed")
+        self.one_token_plain = try_plain and bool(packed) and bool(keep_plain)
+        if not self.one_token_plain:
+            for m in packed:
+                m.plain = None
+        return len(packed)
 
     def attention_layers(self) -> list[Attention]:
         return [m for m in self.modules() if isinstance(m, Attention)]

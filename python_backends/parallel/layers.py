@@ -9,6 +9,7 @@ engine builder). With tp = 1 every layer is its plain single-device counterpart.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -55,9 +56,15 @@ class Linear(nn.Linear):
     cold weights; bfloat16 packed: 5.5 ms against 9.8 for float32 packed, batch 1). Packing
     happens once after loading; results differ from F.linear only in rounding (~1e-4 in
     float32), and float32 greedy output is checked against Hugging Face in the tests.
+
+    A packed projection may also keep its plain weight (`plain`) for one-token calls: on some
+    CPUs MKL's matrix-vector product reads float32 weights faster than oneDNN's packed kernel
+    (Intel Xeon with AMX: 47.5 against 57.6 ms for the default model), on others slower (AMD
+    EPYC: about half as fast). `plain_reads_faster` measures which, once, at load.
     """
 
     packed: torch.Tensor | None = None
+    plain: torch.Tensor | None = None  # the float weight, kept beside `packed` for one token
     quantized: Any = None  # int8 weights packed for fbgemm (quantize_int8)
 
     def quantize_int8(self) -> None:
@@ -71,23 +78,58 @@ class Linear(nn.Linear):
         self.quantized = torch.ops.quantized.linear_prepack(qweight, None)
         self.weight = nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)
 
-    def pack(self) -> bool:
+    def pack(self, keep_plain: bool = False) -> bool:
+        """Pack the weight for oneDNN; `keep_plain`: keep the plain weight too, for one-token
+        calls (twice the memory, unless a tied embedding holds it anyway)."""
         if self.weight.device.type != "cpu" or not packable(self.weight.dtype):
             return False
+        weight = self.weight.detach()
         try:
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 16)
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 16)
         except (RuntimeError, AttributeError):  # no oneDNN in this build: keep F.linear
             return False
+        self.plain = weight if keep_plain else None
         # The plain copy is no longer read (a tied embedding keeps its own reference).
         self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.plain is not None and x.shape[0] == 1:
+            return F.linear(x, self.plain)
         if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+            return _packed_linear(x, self.packed)
         if self.quantized is not None:
             return torch.ops.quantized.linear_dynamic(x, self.quantized, False)
         return F.linear(x, self.weight)
+
+
+def _packed_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+def one_token_seconds(linears: list[Linear], plain: bool, repeats: int = 3) -> float:
+    """Best time of one token through every projection in `linears` (packed, with `plain`
+    kept), by the plain weights or by the packed ones."""
+    inputs = {m.in_features: torch.randn(1, m.in_features, dtype=m.plain.dtype)
+              for m in linears if m.plain is not None}
+    best = float("inf")
+    with torch.inference_mode():
+        for i in range(repeats + 1):  # the first pass warms up
+            start = time.perf_counter()
+            for m in linears:
+                assert m.plain is not None and m.packed is not None
+                x = inputs[m.in_features]
+                _ = F.linear(x, m.plain) if plain else _packed_linear(x, m.packed)
+            if i:
+                best = min(best, time.perf_counter() - start)
+    return best
+
+
+def plain_reads_faster(linears: list[Linear], margin: float = 0.9) -> tuple[bool, float, float]:
+    """Whether one token through `linears` by their plain weights takes at most `margin` of the
+    time by their packed ones (worth a second copy), with both times in seconds."""
+    plain, packed = one_token_seconds(linears, True), one_token_seconds(linears, False)
+    return plain <= margin * packed, plain, packed
 
 
 def shard_size(full: int, ctx: ParallelContext) -> int:
