@@ -89,7 +89,7 @@ class Linear(nn.Linear):
         except (RuntimeError, AttributeError):  # no oneDNN in this build: keep F.linear
             return False
         self.plain = weight if keep_plain else None
-        # The plain copy is no longer read (a tied embedding keeps its own reference).
+        # The parameter itself is no longer read: `plain`, if kept, and a tied embedding hold it.
         self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
         return True
 
