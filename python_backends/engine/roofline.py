@@ -15,7 +15,6 @@ optimistic; `cores` > 1 assumes perfect scaling, so it is more optimistic still.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +23,7 @@ import torch
 
 from python_backends.engine.llm_engine import LLMEngine
 from python_backends.models.llama import LlamaForCausalLM
-from python_backends.parallel.layers import Linear
+from python_backends.parallel.layers import Linear, pass_seconds
 from python_backends.params import SamplingParams
 
 
@@ -60,7 +59,7 @@ class Projections:
         """What a step reads: int8 projections one byte per weight, the rest their dtype's."""
         total = 0
         for m in self.all():
-            size = 1 if m.quantized is not None else _dtype_of(m).itemsize
+            size = 1 if m.quantized is not None else m.input_dtype.itemsize
             total += m.in_features * m.out_features * size
         return total
 
@@ -68,26 +67,9 @@ class Projections:
         return self.modules + ((self.lm_head,) if self.lm_head is not None else ())
 
     def run(self, rows: int, repeats: int) -> float:
-        """Seconds one pass of `rows` tokens through every projection takes (best of
-        `repeats`, after one pass to warm up)."""
-        inputs = {m.in_features: torch.randn(rows, m.in_features).to(_dtype_of(m))
-                  for m in self.all()}
-        best = math.inf
-        with torch.inference_mode():
-            for i in range(repeats + 1):
-                start = time.perf_counter()
-                for m in self.all():
-                    m(inputs[m.in_features])
-                if i:
-                    best = min(best, time.perf_counter() - start)
-        return best
-
-
-def _dtype_of(m: Linear) -> torch.dtype:
-    # An int8 projection computes on float32 inputs; a packed one keeps its dtype in `packed`.
-    if m.quantized is not None:
-        return torch.float32
-    return m.packed.dtype if m.packed is not None else m.weight.dtype
+        """Seconds one pass of `rows` tokens through every projection takes, as the engine
+        computes them (best of `repeats`; layers.pass_seconds)."""
+        return pass_seconds(self.all(), rows, repeats)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ engine builder). With tp = 1 every layer is its plain single-device counterpart.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +94,13 @@ class Linear(nn.Linear):
         self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
         return True
 
+    @property
+    def input_dtype(self) -> torch.dtype:
+        """What it computes on: float32 for int8 weights, else its weight's dtype."""
+        if self.quantized is not None:
+            return torch.float32
+        return self.packed.dtype if self.packed is not None else self.weight.dtype
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.plain is not None and x.shape[0] == 1:
             return F.linear(x, self.plain)
@@ -107,22 +115,39 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
-def one_token_seconds(linears: list[Linear], plain: bool, repeats: int = 3) -> float:
-    """Best time of one token through every projection in `linears` (packed, with `plain`
-    kept), by the plain weights or by the packed ones."""
-    inputs = {m.in_features: torch.randn(1, m.in_features, dtype=m.plain.dtype)
-              for m in linears if m.plain is not None}
+def pass_seconds(linears: Sequence[Linear], rows: int, repeats: int = 3,
+                 call: Callable[[Linear, torch.Tensor], torch.Tensor] | None = None) -> float:
+    """Best time of `rows` tokens through every projection in `linears` (`call(m, x)`, default
+    the projection's own forward), over `repeats` passes after one that warms up."""
+    call = call or Linear.__call__
+    inputs = {(m.in_features, m.input_dtype): torch.randn(rows, m.in_features,
+                                                          dtype=m.input_dtype)
+              for m in linears}
     best = float("inf")
     with torch.inference_mode():
-        for i in range(repeats + 1):  # the first pass warms up
+        for i in range(repeats + 1):
             start = time.perf_counter()
             for m in linears:
-                assert m.plain is not None and m.packed is not None
-                x = inputs[m.in_features]
-                _ = F.linear(x, m.plain) if plain else _packed_linear(x, m.packed)
+                call(m, inputs[m.in_features, m.input_dtype])
             if i:
                 best = min(best, time.perf_counter() - start)
     return best
+
+
+def _by_plain(m: Linear, x: torch.Tensor) -> torch.Tensor:
+    assert m.plain is not None
+    return F.linear(x, m.plain)
+
+
+def _by_packed(m: Linear, x: torch.Tensor) -> torch.Tensor:
+    assert m.packed is not None
+    return _packed_linear(x, m.packed)
+
+
+def one_token_seconds(linears: list[Linear], plain: bool, repeats: int = 3) -> float:
+    """Best time of one token through every projection in `linears` (packed, with `plain`
+    kept), by the plain weights or by the packed ones."""
+    return pass_seconds(linears, 1, repeats, _by_plain if plain else _by_packed)
 
 
 def plain_reads_faster(linears: list[Linear], margin: float = 0.9) -> tuple[bool, float, float]:
