@@ -35,6 +35,13 @@ if [[ ! -f "$ENGINE_DIR/config.json" ]]; then
 fi
 export LLM_ENGINE_DIR="$ENGINE_DIR"
 
+# The engine's native CPU kernels, compiled for this machine (python_backends/models/kernels.py);
+# engines also build them on load when missing, and use torch ops where they cannot.
+if ! compgen -G "$ROOT/build/kernels/*/llm_kernels.so" > /dev/null; then
+  log "compiling the engine's CPU kernels"
+  "$PY" -m python_backends.models.kernels || log "no native kernels: engines use torch ops"
+fi
+
 # aiperf (NVIDIA's LLM benchmark client) in its own environment: its dependencies want numpy 2,
 # the Triton stub's must stay below 2. Used by scripts/bench_sweep.py and the aiperf e2e test.
 #   LLM_AIPERF_VENV  environment directory (default: .venv-aiperf in the project)

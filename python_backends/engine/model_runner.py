@@ -13,6 +13,7 @@ from python_backends.engine.loader import kv_layout
 from python_backends.engine.scheduler import ScheduledSequence, SchedulerOutput
 from python_backends.engine.sequence import Sequence
 from python_backends.kv_transfer.layout import allocate_pool
+from python_backends.models import kernels
 from python_backends.models.attention import (
     AttentionMetadata,
     DecodeBatch,
@@ -44,6 +45,8 @@ class ModelRunner:
         self.kv_caches = list(kv_pool.unbind(0))  # one [2, S, K, D] view per layer
         for attn, cache in zip(model.attention_layers(), self.kv_caches, strict=True):
             attn.kv_cache = cache
+        if kv_pool.device.type == "cpu":
+            kernels.load()  # compiled (once per machine) or loaded now, not in a request's step
 
     def _slots(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
         """Cache slots of token positions [start, end) of `seq`."""
@@ -98,10 +101,7 @@ class ModelRunner:
             slots = torch.zeros(len(decode_seqs), longest, dtype=torch.long)
             for row, (seq, n_ctx) in enumerate(zip(decode_seqs, lens, strict=True)):
                 slots[row, :n_ctx] = self._slots(seq, 0, n_ctx)
-            mask = torch.arange(longest)[None, :] < torch.tensor(lens)[:, None]  # [B, L]
-            decode = DecodeBatch(
-                torch.tensor(decode_index), slots, mask[:, None, None, :]
-            )
+            decode = DecodeBatch(torch.tensor(decode_index), slots, torch.tensor(lens))
         meta = AttentionMetadata(
             positions=torch.cat(positions),
             slot_mapping=torch.cat(slot_mapping),

@@ -11,10 +11,13 @@ otherwise dominate a decode step.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from python_backends.models import kernels
 
 
 @dataclass(frozen=True)
@@ -36,11 +39,18 @@ class PrefillSpan:
 class DecodeBatch:
     token_index: torch.Tensor  # [B] index of each decoding token in the packed step
     slots: torch.Tensor  # [B, L] slots of each context, padded with slot 0
-    mask: torch.Tensor  # [B, 1, 1, L] True where the slot belongs to the context
+    lens: torch.Tensor  # [B] context length of each sequence (its first lens[b] slots)
+
+    @functools.cached_property
+    def mask(self) -> torch.Tensor:
+        """[B, 1, 1, L] True where the slot belongs to the context."""
+        longest = self.slots.shape[1]
+        arange = torch.arange(longest, device=self.slots.device)
+        return (arange[None, :] < self.lens[:, None])[:, None, None, :]
 
     def to(self, device: torch.device) -> DecodeBatch:
         return DecodeBatch(_to(self.token_index, device), _to(self.slots, device),
-                           _to(self.mask, device))
+                           _to(self.lens, device))
 
 
 @dataclass(frozen=True)
@@ -105,28 +115,47 @@ def paged_attention(
     out = torch.empty_like(q)
     for span in meta.prefills:
         n = span.end - span.start
-        qs = q[span.start : span.end].transpose(0, 1)  # [H, n, D]
+        # [1, H, n, D]: batched 4-D operands take torch's flash kernel on the CPU (2.4x faster
+        # than the math fallback 3-D operands get, measured on a 128-token prompt).
+        qs = q[span.start : span.end].transpose(0, 1).unsqueeze(0)
         if span.context_len == n:  # nothing cached before: use this step's K/V directly
-            ks = k[span.start : span.end].transpose(0, 1)  # [K, n, D]
-            vs = v[span.start : span.end].transpose(0, 1)
+            ks = k[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, K, n, D]
+            vs = v[span.start : span.end].transpose(0, 1).unsqueeze(0)
             o = _sdpa(qs, ks, vs, None, scale, causal=True)
         else:
-            ks = cache[0].index_select(0, span.context_slots).transpose(0, 1)  # [K, C, D]
-            vs = cache[1].index_select(0, span.context_slots).transpose(0, 1)
+            ks = cache[0].index_select(0, span.context_slots).transpose(0, 1).unsqueeze(0)
+            vs = cache[1].index_select(0, span.context_slots).transpose(0, 1).unsqueeze(0)
             o = _sdpa(qs, ks, vs, span.mask, scale)
-        out[span.start : span.end] = o.transpose(0, 1)
+        out[span.start : span.end] = o[0].transpose(0, 1)
     if meta.decode is not None:
         d = meta.decode
-        b, longest = d.slots.shape
-        kv_shape = (b, longest, *cache.shape[2:])
-        flat = d.slots.view(-1)
-        qd = q[d.token_index].unsqueeze(2)  # [B, H, 1, D]
-        # index_select, not advanced indexing: ~5x faster gathers on CPU.
-        kd = cache[0].index_select(0, flat).view(kv_shape).transpose(1, 2)  # [B, K, L, D]
-        vd = cache[1].index_select(0, flat).view(kv_shape).transpose(1, 2)
-        o = _sdpa(qd, kd, vd, d.mask, scale)
-        out[d.token_index] = o.squeeze(2)
+        out[d.token_index] = decode_attention(q[d.token_index], cache, d, scale)
     return out
+
+
+def decode_attention(q: torch.Tensor, cache: torch.Tensor, d: DecodeBatch,
+                     scale: float) -> torch.Tensor:
+    """One query token per decoding sequence over its cached context. q: [B, H, D] -> [B, H, D].
+
+    On the CPU the native kernel reads each context in place (models/csrc/paged_attention.cpp);
+    elsewhere, or without it, the contexts are gathered into a padded batch for torch's SDPA."""
+    if q.device.type == "cpu" and cache.is_contiguous():
+        kernel = kernels.paged_decode_attention()
+        if kernel is not None:
+            return kernel(q.contiguous(), cache, d.slots, d.lens, scale)
+    return gathered_decode_attention(q, cache, d, scale)
+
+
+def gathered_decode_attention(q: torch.Tensor, cache: torch.Tensor, d: DecodeBatch,
+                              scale: float) -> torch.Tensor:
+    """decode_attention in torch ops: the contexts copied into one padded batch, then SDPA."""
+    b, longest = d.slots.shape
+    kv_shape = (b, longest, *cache.shape[2:])
+    flat = d.slots.view(-1)
+    # index_select, not advanced indexing: ~5x faster gathers on CPU.
+    kd = cache[0].index_select(0, flat).view(kv_shape).transpose(1, 2)  # [B, K, L, D]
+    vd = cache[1].index_select(0, flat).view(kv_shape).transpose(1, 2)
+    return _sdpa(q.unsqueeze(2), kd, vd, d.mask, scale).squeeze(2)
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,

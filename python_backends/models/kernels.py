@@ -1,0 +1,117 @@
+"""Native CPU kernels of the engine (`csrc/`), compiled for the machine they run on.
+
+Each kernel is a torch operator (`torch.ops.llm_kernels.*`) with a pure-torch equivalent that
+the model uses where the kernel is unavailable: no C++ compiler, a build that failed, or
+`LLM_NATIVE_KERNELS=0` in the environment. The library is built once per machine, source and
+torch version into `build/kernels/<key>/` (about 30 s with g++ and ninja, at set-up or on first
+use; concurrent builders wait for one another) and loaded from there afterwards.
+
+    python -m python_backends.models.kernels     # build now, print where
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from python_backends.config import PROJECT_ROOT
+
+log = logging.getLogger(__name__)
+
+SWITCH_ENV = "LLM_NATIVE_KERNELS"  # "0", "off", "false" or "no": torch ops only
+NAME = "llm_kernels"
+SOURCES = (Path(__file__).with_name("csrc") / "paged_attention.cpp",)
+BUILD_ROOT = PROJECT_ROOT / "build" / "kernels"
+# -march=native: the library is specific to the CPU it was built on, hence the CPU in its key.
+CFLAGS = ("-O3", "-march=native", "-fopenmp")
+
+
+def enabled() -> bool:
+    return os.environ.get(SWITCH_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+def _cpu_signature() -> str:
+    """The CPU's model name and instruction set flags (what -march=native compiles for)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    model = next((line for line in lines if line.startswith("model name")), "")
+    flags = next((line for line in lines if line.startswith("flags")), "")
+    return f"{model}\n{flags}"
+
+
+def build_dir() -> Path:
+    """Where this machine's build of the current sources lives."""
+    h = hashlib.sha256()
+    for src in SOURCES:
+        h.update(src.read_bytes())
+    for part in (torch.__version__, " ".join(CFLAGS), _cpu_signature()):
+        h.update(part.encode())
+    return BUILD_ROOT / h.hexdigest()[:16]
+
+
+def _build(directory: Path) -> None:
+    from torch.utils import cpp_extension
+
+    try:  # the `ninja` wheel: its binary is not on PATH inside a Triton stub
+        import ninja
+
+        os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
+    except ImportError:
+        pass
+    directory.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    log.warning("compiling the engine's CPU kernels into %s (once per machine, about 30 s)",
+                directory)
+    cpp_extension.load(NAME, [str(s) for s in SOURCES], extra_cflags=list(CFLAGS),
+                       build_directory=str(directory), is_python_module=False, verbose=False)
+    log.warning("kernels compiled in %.0f s", time.monotonic() - start)
+
+
+@functools.cache
+def load() -> bool:
+    """Load (building first if needed) the kernels into this process; False, with one logged
+    reason, when they are off or cannot be built."""
+    if not enabled():
+        return False
+    directory = build_dir()
+    library = directory / f"{NAME}.so"
+    try:
+        if library.exists():
+            torch.ops.load_library(str(library))
+        else:
+            _build(directory)  # loads the library it builds
+    except Exception as e:  # no compiler, no headers, a failed build: the torch ops remain
+        log.warning("engine CPU kernels unavailable, using torch ops: %s", str(e).strip()[-500:])
+        return False
+    return True
+
+
+def paged_decode_attention() -> Any | None:
+    """torch.ops.llm_kernels.paged_decode_attention, or None (see `load`)."""
+    return torch.ops.llm_kernels.paged_decode_attention if load() else None
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="[kernels] %(message)s")
+    if not enabled():
+        print(f"[kernels] off ({SWITCH_ENV}={os.environ[SWITCH_ENV]})")
+        return 0
+    if not load():
+        return 1
+    print(f"[kernels] ready in {build_dir()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
