@@ -23,6 +23,16 @@ def test_greedy_batch_and_logprobs() -> None:
     assert math.isclose(r.logprobs[0], float(torch.log_softmax(logits[0], -1)[1]), rel_tol=1e-6)
 
 
+def test_greedy_batch_picks_argmax_first_index_on_ties() -> None:
+    """The batched greedy pick is torch.argmax's (Hugging Face's): first index among equal
+    maxima, NaN and infinities as argmax ranks them."""
+    logits = torch.randint(0, 4, (16, 1000)).float()
+    logits[2, 10] = float("nan")
+    logits[3, 5] = logits[3, 7] = float("inf")
+    seqs = [seq(SamplingParams(max_tokens=4)) for _ in range(16)]
+    assert sample(seqs, logits).token_ids == logits.argmax(-1).tolist()
+
+
 def test_top_k_one_is_greedy_even_with_temperature() -> None:
     logits = torch.randn(4, 50)
     seqs = [seq(SamplingParams(max_tokens=4, temperature=1.5, top_k=1)) for _ in range(4)]
