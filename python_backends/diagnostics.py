@@ -1,6 +1,11 @@
-"""Thread stack dumps on demand, for a request that hangs.
+"""What every stub and engine rank sets up first (`set_up_process`): its log, and thread stack
+dumps on demand, for a request that hangs.
 
-Every stub and engine rank calls `enable_stack_dumps` when it starts; `kill -USR1 <pid>` then
+Log records of the project's modules (`python_backends.*`) at INFO and above go to stderr, which
+is the server log, tagged with the process's instance name: Python leaves logging unconfigured in
+a stub, where only warnings would show (through logging's last-resort handler).
+
+`kill -USR1 <pid>` then
 makes that process write each thread's Python stack to its stderr, which is the server log (the
 stubs inherit tritonserver's). It is Python's faulthandler: it needs no debugger, no ptrace
 permission, and works while the GIL is held by a stuck thread. The end-to-end tests and the soak
@@ -11,13 +16,37 @@ comes with its stacks.
 from __future__ import annotations
 
 import faulthandler
+import logging
 import os
 import signal
+import sys
 import time
 
 from python_backends import procfs
 
 STACK_DUMP_SIGNAL = signal.SIGUSR1
+
+
+LOG_FORMAT = "%(asctime)s %(levelname)s [{name}] %(name)s: %(message)s"
+
+
+def set_up_process(name: str) -> None:
+    """Stack dumps on demand and the project's log to stderr, tagged `name` (idempotent)."""
+    enable_stack_dumps()
+    log_to_stderr(name)
+
+
+def log_to_stderr(name: str, level: int = logging.INFO) -> None:
+    """The project's log records at `level` and above to stderr, each tagged `name`; once per
+    process (a second call changes nothing)."""
+    logger = logging.getLogger("python_backends")
+    if any(getattr(h, "llm_process_log", False) for h in logger.handlers):
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.llm_process_log = True  # type: ignore[attr-defined]
+    handler.setFormatter(logging.Formatter(LOG_FORMAT.replace("{name}", name)))
+    logger.addHandler(handler)
+    logger.setLevel(level)
 
 
 def enable_stack_dumps() -> None:

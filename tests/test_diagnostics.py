@@ -52,3 +52,28 @@ def test_every_process_that_catches_the_signal_dumps_its_stacks_and_keeps_runnin
         parent.wait(timeout=10)
     assert "waiting_here" in (tmp_path / "on.err").read_text()  # the thread's stack
     assert (tmp_path / "off.err").read_text() == ""
+
+
+LOGGING_CHILD = """
+import logging
+from python_backends.diagnostics import log_to_stderr, set_up_process
+set_up_process("worker_0_1")
+log_to_stderr("another name")  # a second call changes nothing
+logging.getLogger("python_backends.engine.example").info("kept %d", 1)
+logging.getLogger("python_backends.engine.example").debug("below INFO")
+logging.getLogger("some_library").info("not ours")
+logging.getLogger("some_library").warning("a library warning")
+"""
+
+
+def test_a_process_logs_the_projects_info_records_to_stderr_once_tagged() -> None:
+    """A stub's project log lines reach the server log (stderr) at INFO, tagged with its
+    instance, each once; other libraries keep Python's default (warnings only)."""
+    done = subprocess.run([sys.executable, "-c", LOGGING_CHILD], capture_output=True, text=True,
+                          timeout=60, check=True)
+    lines = done.stderr.splitlines()
+    ours = [line for line in lines if "python_backends.engine.example" in line]
+    assert len(ours) == 1
+    assert ours[0].endswith("INFO [worker_0_1] python_backends.engine.example: kept 1")
+    assert "below INFO" not in done.stderr and "not ours" not in done.stderr
+    assert "a library warning" in done.stderr

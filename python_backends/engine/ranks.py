@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from python_backends.config import RANK_MODULE, EngineConfig
-from python_backends.diagnostics import enable_stack_dumps
+from python_backends.diagnostics import set_up_process
 from python_backends.engine.loader import DTYPES, load_model
 from python_backends.engine.model_runner import rank_runner
 from python_backends.models.attention import AttentionMetadata
@@ -325,7 +325,7 @@ def rank_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
     _die_with_parent()
-    enable_stack_dumps()
+    set_up_process(f"{Path(args.engine_dir).name} rank {args.rank}")
     config = EngineConfig.load(args.engine_dir)
     torch.set_num_threads(args.threads)
     ctx = join_group(args.rank, config.parallel.world_size, args.port, config, STARTUP_TIMEOUT_S,

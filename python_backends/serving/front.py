@@ -28,7 +28,7 @@ from python_backends.config import (
     GRPC_API_KEY_HEADER,
     ROLE_ENV,
 )
-from python_backends.diagnostics import enable_stack_dumps
+from python_backends.diagnostics import set_up_process
 from python_backends.flag_board import BoardCache, BoardFull, FlagBoard
 from python_backends.front.admission import (
     OVERLOADED_PREFIX,
@@ -213,8 +213,8 @@ class _EngineLost(Exception):
 
 class FrontModel:
     def initialize(self, args: dict[str, str]) -> None:
-        enable_stack_dumps()
         margs = ModelArgs(args)
+        set_up_process(margs.instance_name)
         self.worker_model = margs.param("worker_model", "worker")
         self.prefill_model = margs.param("prefill_model")
         self.decode_model = margs.param("decode_model")

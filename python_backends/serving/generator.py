@@ -20,7 +20,7 @@ from typing import Any
 
 import triton_python_backend_utils as pb_utils
 
-from python_backends.diagnostics import enable_stack_dumps
+from python_backends.diagnostics import set_up_process
 from python_backends.engine.engine_loop import EngineListener, EngineLoop, build_off_thread
 from python_backends.engine.kv_handoff import BlocksInDoubt
 from python_backends.engine.llm_engine import LLMEngine, TokenEvent
@@ -80,8 +80,8 @@ def step_response(step: TokenStep) -> Any:
 
 class GeneratorModel(EngineListener):
     def initialize(self, args: dict[str, str]) -> None:
-        enable_stack_dumps()
         margs = ModelArgs(args)
+        set_up_process(margs.instance_name)
         self.name = margs.model_name
         try:
             weights = {k: float(v) for k, v in json.loads(margs.param("tenant_weights", "{}"))

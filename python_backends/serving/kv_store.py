@@ -13,7 +13,7 @@ from typing import Any
 import triton_python_backend_utils as pb_utils
 
 from python_backends.config import EngineConfig
-from python_backends.diagnostics import enable_stack_dumps
+from python_backends.diagnostics import set_up_process
 from python_backends.engine.loader import kv_layout
 from python_backends.kv_store.host_store import HostKVStore, store_name
 from python_backends.serving.common import ModelArgs, response
@@ -26,8 +26,8 @@ PUBLISH_S = 1.0
 
 class KVStoreModel:
     def initialize(self, args: dict[str, str]) -> None:
-        enable_stack_dumps()
         margs = ModelArgs(args)
+        set_up_process(margs.instance_name)
         config = EngineConfig.load(margs.engine_dir())
         block = kv_layout(config, 1, whole=True)
         size_mb = margs.int_param("size_mb", 1024)

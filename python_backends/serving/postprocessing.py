@@ -9,7 +9,7 @@ from typing import Any
 from transformers import AutoTokenizer
 
 from python_backends.detokenizer import incremental_text
-from python_backends.diagnostics import enable_stack_dumps
+from python_backends.diagnostics import set_up_process
 from python_backends.flag_board import BoardCache
 from python_backends.serving.common import (
     FINAL,
@@ -23,8 +23,9 @@ from python_backends.wire import ClientChunk, ClientOutput
 
 class PostprocessingModel:
     def initialize(self, args: dict[str, str]) -> None:
-        enable_stack_dumps()
-        self.tokenizer = AutoTokenizer.from_pretrained(str(ModelArgs(args).engine_dir()))
+        margs = ModelArgs(args)
+        set_up_process(margs.instance_name)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(margs.engine_dir()))
         self.boards = BoardCache()
 
     def finalize(self) -> None:

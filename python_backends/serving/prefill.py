@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import triton_python_backend_utils as pb_utils
 
-from python_backends.diagnostics import enable_stack_dumps
+from python_backends.diagnostics import set_up_process
 from python_backends.engine.engine_loop import build_off_thread
 from python_backends.engine.llm_engine import LLMEngine
 from python_backends.engine.prefiller import Prefiller, PrefillJob, PrefillResult
@@ -47,8 +47,8 @@ def prefill_response(result: PrefillResult) -> Any:
 
 class PrefillModel:
     def initialize(self, args: dict[str, str]) -> None:
-        enable_stack_dumps()
         margs = ModelArgs(args)
+        set_up_process(margs.instance_name)
         transports = kv_transports(margs, default="auto")
         self._shared: SharedPool | None = None
 

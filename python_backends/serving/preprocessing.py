@@ -9,7 +9,7 @@ from typing import Any
 from transformers import AutoTokenizer
 
 from python_backends.config import FAULT_INJECTION_ENV, EngineConfig
-from python_backends.diagnostics import enable_stack_dumps
+from python_backends.diagnostics import set_up_process
 from python_backends.front.validation import InvalidRequest, parse_request
 from python_backends.serving.common import ModelArgs, error_response, inputs_of, response
 from python_backends.wire import TokenizedRequest
@@ -17,8 +17,9 @@ from python_backends.wire import TokenizedRequest
 
 class PreprocessingModel:
     def initialize(self, args: dict[str, str]) -> None:
-        enable_stack_dumps()
-        engine_dir = ModelArgs(args).engine_dir()
+        margs = ModelArgs(args)
+        set_up_process(margs.instance_name)
+        engine_dir = margs.engine_dir()
         self.config = EngineConfig.load(engine_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(str(engine_dir))
         self.faults_allowed = os.environ.get(FAULT_INJECTION_ENV) == "1"
