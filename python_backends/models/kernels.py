@@ -3,14 +3,15 @@
 Each kernel is a torch operator (`torch.ops.llm_kernels.*`) with a pure-torch equivalent that
 the model uses where the kernel is unavailable: no C++ compiler, a build that failed, or
 `LLM_NATIVE_KERNELS=0` in the environment. The library is built once per machine, source and
-torch version into `build/kernels/<key>/` (about 30 s with g++ and ninja, at set-up or on first
-use; concurrent builders wait for one another) and loaded from there afterwards.
+torch version into `build/kernels/<key>/` (about 10 s with g++ and ninja, at set-up or on first
+use; concurrent builders wait for the first) and loaded from there afterwards.
 
     python -m python_backends.models.kernels     # build now, print where
 """
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
@@ -60,22 +61,38 @@ def build_dir() -> Path:
     return BUILD_ROOT / h.hexdigest()[:16]
 
 
-def _build(directory: Path) -> None:
-    from torch.utils import cpp_extension
-
-    try:  # the `ninja` wheel: its binary is not on PATH inside a Triton stub
-        import ninja
-
-        os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
-    except ImportError:
-        pass
+def _build_and_load(directory: Path) -> None:
+    """Build the library into `directory` unless there, then load it into this process. One
+    process builds at a time (a lock the OS releases if the builder dies); the others wait and
+    load its build."""
+    library = directory / f"{NAME}.so"
+    if library.exists():
+        torch.ops.load_library(str(library))
+        return
     directory.mkdir(parents=True, exist_ok=True)
-    start = time.monotonic()
-    log.warning("compiling the engine's CPU kernels into %s (once per machine, about 30 s)",
-                directory)
-    cpp_extension.load(NAME, [str(s) for s in SOURCES], extra_cflags=list(CFLAGS),
-                       build_directory=str(directory), is_python_module=False, verbose=False)
-    log.warning("kernels compiled in %.0f s", time.monotonic() - start)
+    with open(directory / "build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if library.exists():  # built while this process waited
+            torch.ops.load_library(str(library))
+            return
+        from torch.utils import cpp_extension
+
+        try:  # the `ninja` wheel: its binary is not on PATH inside a Triton stub
+            import ninja
+
+            os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
+        except ImportError:
+            pass
+        # torch's own lock file outlives a builder that was killed, and would stall every later
+        # build; under ours no other build runs.
+        (directory / "lock").unlink(missing_ok=True)
+        start = time.monotonic()
+        log.warning("compiling the engine's CPU kernels into %s (once per machine, about 10 s)",
+                    directory)
+        cpp_extension.load(NAME, [str(s) for s in SOURCES], extra_cflags=list(CFLAGS),
+                           build_directory=str(directory), is_python_module=False,
+                           verbose=False)  # loads the library it builds
+        log.warning("kernels compiled in %.0f s", time.monotonic() - start)
 
 
 @functools.cache
@@ -84,13 +101,8 @@ def load() -> bool:
     reason, when they are off or cannot be built."""
     if not enabled():
         return False
-    directory = build_dir()
-    library = directory / f"{NAME}.so"
     try:
-        if library.exists():
-            torch.ops.load_library(str(library))
-        else:
-            _build(directory)  # loads the library it builds
+        _build_and_load(build_dir())
     except Exception as e:  # no compiler, no headers, a failed build: the torch ops remain
         log.warning("engine CPU kernels unavailable, using torch ops: %s", str(e).strip()[-500:])
         return False

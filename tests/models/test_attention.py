@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -156,3 +160,34 @@ def test_the_build_is_keyed_by_source(tmp_path, monkeypatch):
     assert kernels.build_dir() == first
     monkeypatch.setattr(kernels, "SOURCES", (b,))
     assert kernels.build_dir() != first
+
+
+BUILDER = """
+import sys, torch
+from pathlib import Path
+from python_backends.models import kernels
+kernels.BUILD_ROOT = Path(sys.argv[1])
+assert kernels.load()
+q, cache = torch.randn(1, 9, 64), torch.randn(2, 16, 3, 64)
+out = torch.ops.llm_kernels.paged_decode_attention(q, cache, torch.tensor([[0, 1]]),
+                                                   torch.tensor([2]), 0.125)
+print("ok", tuple(out.shape))
+"""
+
+
+def test_concurrent_loads_build_once_past_a_stale_lock(tmp_path):
+    """Engines loading at once on a fresh machine: one compiles, the other waits and loads its
+    build; a lock file left by a builder that was killed stalls neither."""
+    root = tmp_path / "kernels"
+    directory = root / kernels.build_dir().name
+    directory.mkdir(parents=True)
+    (directory / "lock").write_text("")  # torch's lock, as a killed builder leaves it
+    env = {k: v for k, v in os.environ.items() if k != kernels.SWITCH_ENV}
+    procs = [subprocess.Popen([sys.executable, "-c", BUILDER, str(root)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert all(out.strip().endswith("ok (1, 9, 64)") for out, _ in outs)
+    assert sum("compiling the engine's CPU kernels" in err for _, err in outs) == 1
+    assert (directory / f"{kernels.NAME}.so").exists()
