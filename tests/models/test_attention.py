@@ -147,7 +147,7 @@ def test_a_failed_build_leaves_the_torch_ops(tmp_path, monkeypatch, caplog):
     monkeypatch.delenv(kernels.SWITCH_ENV, raising=False)
     assert kernels.load.__wrapped__() is False
     assert "engine CPU kernels unavailable" in caplog.text
-    # the key follows the sources: a change of source is a new build directory
+    # the failed build was attempted under BUILD_ROOT, not in the repository's build directory
     assert kernels.build_dir().parent == tmp_path / "build"
 
 
