@@ -50,6 +50,13 @@ def parse_levels(text: str) -> dict[int, float]:
     return out
 
 
+def kernel_choice(engine: LLMEngine) -> str:
+    model = engine.runner.model
+    if model.native_linears:
+        return "the native kernel with its idle-CPU helper (rates measured without the helper)"
+    return f"one-token steps read the {'plain' if model.one_token_plain else 'packed'} weights"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--engine", type=Path, default=DEFAULT_ENGINE_DIR)
@@ -78,8 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     rates = measure(projections)
     print(f"[roofline] projections: {projections.weight_bytes / 1e6:.0f} MB of weights, "
           f"{projections.flops_per_token / 1e6:.0f} MFLOP per token + "
-          f"{projections.lm_head_flops / 1e6:.0f} for the LM head; one-token steps read the "
-          f"{'plain' if engine.runner.model.one_token_plain else 'packed'} weights", flush=True)
+          f"{projections.lm_head_flops / 1e6:.0f} for the LM head; {kernel_choice(engine)}",
+          flush=True)
     print(f"[roofline] one token through them: {rates.step_read_s * 1e3:.1f} ms "
           f"({projections.weight_bytes / rates.step_read_s / 1e9:.1f} GB/s); "
           f"{rates.prompt_rows} tokens at once: {rates.flops_per_s / 1e9:.0f} GFLOP/s", flush=True)

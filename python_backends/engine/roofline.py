@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from python_backends.engine.llm_engine import LLMEngine
+from python_backends.models import kernels
 from python_backends.models.llama import LlamaForCausalLM
 from python_backends.parallel.layers import Linear, pass_seconds
 from python_backends.params import SamplingParams
@@ -86,9 +87,11 @@ class Rates:
 
 
 def measure(projections: Projections, prompt_rows: int = 512, repeats: int = 3) -> Rates:
+    """On this process's torch threads only: native kernels' idle-CPU helper stays out."""
     flops = prompt_rows * (projections.flops_per_token + projections.lm_head_flops)
-    return Rates(flops_per_s=flops / projections.run(prompt_rows, repeats),
-                 step_read_s=projections.run(1, repeats), prompt_rows=prompt_rows)
+    with kernels.helper_off():
+        return Rates(flops_per_s=flops / projections.run(prompt_rows, repeats),
+                     step_read_s=projections.run(1, repeats), prompt_rows=prompt_rows)
 
 
 @dataclass(frozen=True)

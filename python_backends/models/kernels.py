@@ -11,6 +11,7 @@ use; concurrent builders wait for the first) and loaded from there afterwards.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
 import hashlib
@@ -19,6 +20,7 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +32,9 @@ log = logging.getLogger(__name__)
 
 SWITCH_ENV = "LLM_NATIVE_KERNELS"  # "0", "off", "false" or "no": torch ops only
 NAME = "llm_kernels"
-SOURCES = (Path(__file__).with_name("csrc") / "paged_attention.cpp",)
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = tuple(sorted(CSRC.glob("*.cpp")))
+HEADERS = tuple(sorted(CSRC.glob("*.h")))
 BUILD_ROOT = PROJECT_ROOT / "build" / "kernels"
 # -march=native: the library is specific to the CPU it was built on, hence the CPU in its key.
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
@@ -54,7 +58,8 @@ def _cpu_signature() -> str:
 def build_dir() -> Path:
     """Where this machine's build of the current sources lives."""
     h = hashlib.sha256()
-    for src in SOURCES:
+    for src in SOURCES + HEADERS:
+        h.update(src.name.encode())
         h.update(src.read_bytes())
     for part in (torch.__version__, " ".join(CFLAGS), _cpu_signature()):
         h.update(part.encode())
@@ -112,6 +117,27 @@ def load() -> bool:
 def paged_decode_attention() -> Any | None:
     """torch.ops.llm_kernels.paged_decode_attention, or None (see `load`)."""
     return torch.ops.llm_kernels.paged_decode_attention if load() else None
+
+
+def native_linear() -> tuple[Callable[[torch.Tensor], torch.Tensor], Any] | None:
+    """(pack_linear_weight, linear): the float32 projection kernel, computed by the calling
+    thread and an idle-CPU helper (csrc/idle_helper.h), or None (see `load`)."""
+    if not load():
+        return None
+    return torch.ops.llm_kernels.pack_linear_weight, torch.ops.llm_kernels.linear
+
+
+@contextlib.contextmanager
+def helper_off() -> Iterator[None]:
+    """Native kernels compute on the calling thread alone inside (one core's rates)."""
+    if not load():
+        yield
+        return
+    before = torch.ops.llm_kernels.set_idle_helper(False)
+    try:
+        yield
+    finally:
+        torch.ops.llm_kernels.set_idle_helper(before)
 
 
 def main() -> int:

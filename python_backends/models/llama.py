@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from python_backends.config import ModelConfig, RopeScaling
+from python_backends.models import kernels
 from python_backends.models.attention import AttentionMetadata, paged_attention, write_kv
 from python_backends.parallel.context import ParallelContext
 from python_backends.parallel.layers import (
@@ -225,14 +226,32 @@ class LlamaForCausalLM(nn.Module):
         return n
 
     one_token_plain = False  # one-token steps read the plain float32 weights (pack_linears)
+    native_linears = False  # projections compute with the native float32 kernel (pack_linears)
 
-    def pack_linears(self, keep_plain: bool | None = None) -> int:
-        """Pre-pack every projection for oneDNN (CPU; float32, bfloat16 where the CPU has bf16
-        instructions: layers.packable); returns how many were packed. float32 projections also
-        keep their plain weights for one-token steps if `keep_plain`, or, when it is None,
-        where this CPU reads them faster that way (layers.plain_reads_faster, logged)."""
+    def pack_linears(self, keep_plain: bool | None = None, native: bool | None = None) -> int:
+        """Pre-pack every projection (CPU); returns how many were packed.
+
+        float32 on an engine of one torch thread (the default where the machine has two
+        cores), unless `native` is False: for the native kernel, which the engine's thread
+        computes with an idle-CPU helper (models.kernels; 1.7x faster where a core is idle,
+        as fast as oneDNN where none is: docs/engines.md, "Native CPU kernels"). Otherwise for
+        oneDNN (float32, bfloat16 where the CPU has bf16 instructions: layers.packable);
+        float32 projections then also keep their plain weights for one-token steps if
+        `keep_plain`, or, when it is None, where this CPU reads them faster that way
+        (layers.plain_reads_faster, logged)."""
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         float32 = bool(linears) and all(m.weight.dtype == torch.float32 for m in linears)
+        on_cpu = bool(linears) and all(m.weight.device.type == "cpu" for m in linears)
+        if native is None:
+            native = torch.get_num_threads() == 1
+        ops = kernels.native_linear() if native and float32 and on_cpu else None
+        if ops is not None:
+            for m in linears:
+                m.pack_native(*ops)
+            self.native_linears = True
+            log.info("projections: native float32 kernel on the engine thread and an idle-CPU "
+                     "helper")
+            return len(linears)
         try_plain = float32 and keep_plain is not False
         packed = [m for m in linears if m.pack(keep_plain=try_plain)]
         if try_plain and packed and keep_plain is None:

@@ -20,6 +20,8 @@ from torch import nn
 
 from python_backends.parallel.context import ParallelContext
 
+NativeOp = Callable[[torch.Tensor, Any, int], torch.Tensor]  # (x [T, in], packed, out) -> [T, out]
+
 
 def int8_supported() -> str | None:
     """Why int8 weights cannot compute fast on this CPU, None if they can: fbgemm (torch's x86
@@ -67,6 +69,8 @@ class Linear(nn.Linear):
     packed: torch.Tensor | None = None
     plain: torch.Tensor | None = None  # the float weight, kept beside `packed` for one token
     quantized: Any = None  # int8 weights packed for fbgemm (quantize_int8)
+    native: torch.Tensor | None = None  # the weight as `native_op` reads it (pack_native)
+    native_op: NativeOp | None = None
 
     def quantize_int8(self) -> None:
         """Keep the weight as int8, one scale per output feature (symmetric), packed for
@@ -94,14 +98,31 @@ class Linear(nn.Linear):
         self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
         return True
 
+    def pack_native(self, pack: Callable[[torch.Tensor], torch.Tensor], op: NativeOp) -> bool:
+        """Compute with a native kernel from now on (the engine's float32 CPU projection,
+        python_backends.models.kernels): `pack` lays the weight out for `op(x, packed,
+        out_features)`. float32 CPU weights without bias only; False, and nothing changed,
+        for others."""
+        weight = self.weight.detach()
+        if weight.device.type != "cpu" or weight.dtype != torch.float32 or self.bias is not None:
+            return False
+        self.native, self.native_op = pack(weight), op
+        self.weight = nn.Parameter(torch.empty(0, dtype=weight.dtype), requires_grad=False)
+        return True
+
     @property
     def input_dtype(self) -> torch.dtype:
-        """What it computes on: float32 for int8 weights, else its weight's dtype."""
-        if self.quantized is not None:
+        """What it computes on: float32 for int8 weights and native kernels, else its weight's
+        dtype."""
+        if self.quantized is not None or self.native is not None:
             return torch.float32
         return self.packed.dtype if self.packed is not None else self.weight.dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native_op is not None:
+            rows = x.reshape(-1, x.shape[-1])
+            return self.native_op(rows, self.native, self.out_features).view(
+                *x.shape[:-1], self.out_features)
         if self.plain is not None and x.shape[0] == 1:
             return F.linear(x, self.plain)
         if self.packed is not None:

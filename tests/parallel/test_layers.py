@@ -1,13 +1,16 @@
-"""Packed projections that keep their plain weights for one-token calls, and the measured choice
-between the two kernels at load."""
+"""Packed projections: oneDNN's, which keep their plain weights for one-token calls where that is
+measured faster, and the native kernel's, which one-thread engines use."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from python_backends.engine.llm_engine import LLMEngine
+from python_backends.models import kernels
 from python_backends.models.llama import LlamaForCausalLM
 from python_backends.parallel import layers
 from python_backends.parallel.layers import Linear, one_token_seconds, plain_reads_faster
@@ -76,6 +79,7 @@ def test_an_engine_keeps_plain_weights_as_measured_and_matches_hf(
     import python_backends.models.llama as llama
 
     monkeypatch.setattr(llama, "plain_reads_faster", lambda _l: (plain_wins, 1.0, 1.0))
+    monkeypatch.setattr(llama.kernels, "native_linear", lambda: None)  # oneDNN's path
     engine = tiny_llama.engine()
     model = engine.runner.model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
@@ -95,17 +99,66 @@ def test_keep_plain_can_be_forced_either_way_and_16_bit_engines_never_keep_it(
     cfg = tiny_llama.engine().config.model
     for keep in (True, False):
         model = LlamaForCausalLM(cfg)
-        model.pack_linears(keep_plain=keep)
+        model.pack_linears(keep_plain=keep, native=False)
         assert model.one_token_plain is keep
     if layers.packable(torch.bfloat16):
         model = LlamaForCausalLM(cfg).to(torch.bfloat16)
-        model.pack_linears(keep_plain=True)
-        assert not model.one_token_plain
+        model.pack_linears(keep_plain=True, native=True)  # no native kernel for 16-bit weights
+        assert not model.one_token_plain and not model.native_linears
         assert all(m.plain is None for m in model.modules() if isinstance(m, Linear))
 
 
-def test_engines_load_with_the_measured_choice(tiny_llama: TinyModel) -> None:
-    engine = LLMEngine.from_engine_dir(tiny_llama.engine_dir, num_kv_blocks=16)
+@pytest.fixture
+def torch_threads() -> Iterator[None]:
+    """Engines set torch's threads for the whole process: put them back afterwards."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_engines_load_with_the_measured_choice(tiny_llama: TinyModel, torch_threads: None) -> None:
+    engine = LLMEngine.from_engine_dir(tiny_llama.engine_dir, num_kv_blocks=16, cpu_threads=2)
     model = engine.runner.model
     kept = {m.plain is not None for m in model.modules() if isinstance(m, Linear)}
-    assert kept == {model.one_token_plain}
+    assert kept == {model.one_token_plain} and not model.native_linears
+
+
+@pytest.mark.skipif(not kernels.load(), reason="no native kernels on this machine")
+def test_one_thread_engines_compute_projections_natively_and_match_hf(
+    tiny_llama: TinyModel, torch_threads: None,
+) -> None:
+    engine = LLMEngine.from_engine_dir(tiny_llama.engine_dir, num_kv_blocks=16, cpu_threads=1)
+    model = engine.runner.model
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert model.native_linears
+    assert all(m.native is not None and m.packed is None and m.plain is None
+               and m.weight.numel() == 0 for m in linears)
+    batch = prompts(3)
+    seqs = [engine.add_request(f"s{i}", p, SamplingParams(max_tokens=6))
+            for i, p in enumerate(batch)]
+    while engine.has_unfinished:
+        engine.step()
+    assert [s.output_ids for s in seqs] == [tiny_llama.greedy(p, 6) for p in batch]
+
+
+def fake_op(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    assert x.dim() == 2
+    return F.linear(x, packed)[:, :out_features]
+
+
+def test_pack_native_hands_rows_to_the_op_and_keeps_the_shape() -> None:
+    torch.manual_seed(0)
+    m = Linear(64, 96, bias=False)
+    weight = m.weight.detach().clone()
+    assert m.pack_native(lambda w: w.clone(), fake_op)
+    assert m.weight.numel() == 0 and m.input_dtype == torch.float32
+    x = torch.randn(2, 3, 64)
+    assert torch.equal(m(x), F.linear(x, weight))
+
+
+def test_pack_native_refuses_what_the_kernel_cannot_compute() -> None:
+    biased = Linear(64, 96, bias=True)
+    half = Linear(64, 96, bias=False).to(torch.bfloat16)
+    for m in (biased, half):
+        assert not m.pack_native(lambda w: w, fake_op)
+        assert m.native is None and m.weight.numel() == 64 * 96

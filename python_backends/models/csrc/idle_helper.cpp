@@ -1,0 +1,241 @@
+// See idle_helper.h.
+#include "idle_helper.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <system_error>
+#include <thread>
+#include <vector>
+
+#if defined(__linux__)
+#include <linux/futex.h>
+#include <pthread.h>
+#include <sched.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define LLM_HAVE_HELPER 1
+#else
+#define LLM_HAVE_HELPER 0
+#endif
+
+namespace llm {
+namespace {
+
+// A chunk's life. The counter hands each chunk to one thread; a helper's chunk goes
+// FREE -> CLAIMED -> WRITING -> DONE, unless the caller moves it from FREE or CLAIMED to TAKEN
+// (and computes it itself). The caller's own chunks go straight to DONE.
+enum State : uint8_t { FREE, CLAIMED, WRITING, DONE, TAKEN };
+
+std::atomic<bool> g_enabled{true};
+std::atomic<int64_t> g_helped{0};
+std::atomic<int64_t> g_taken_back{0};
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
+// A job as the helper sees it. Slots are reused, never freed while the process lives: the helper
+// pins one (`users`) before reading it, and the caller refills only slots nobody pins.
+struct Slot {
+  Job job;
+  std::unique_ptr<std::atomic<uint8_t>[]> state;
+  int64_t capacity = 0;
+  std::atomic<int64_t> next{0};
+  std::atomic<int> users{0};
+
+  void reset(Job&& j) {
+    job = std::move(j);
+    if (capacity < job.chunks) {
+      capacity = std::max<int64_t>(job.chunks, 2 * capacity);
+      state.reset(new std::atomic<uint8_t>[capacity]);
+    }
+    for (int64_t i = 0; i < job.chunks; ++i) state[i].store(FREE, std::memory_order_relaxed);
+    next.store(0, std::memory_order_relaxed);
+  }
+};
+
+void compute_in_place(const Job& job, int64_t c) {
+  const Block b = job.place(c);
+  job.compute(c, b.dst, b.ld);
+}
+
+#if LLM_HAVE_HELPER
+
+constexpr auto kSpin = std::chrono::milliseconds(2);  // then sleep until the next job
+
+class Helper {
+ public:
+  Helper() : pid_(getpid()) {}
+
+  // The helper of this process, started on first use; nullptr where there is none.
+  static Helper* get() {
+    static std::atomic<Helper*> instance{nullptr};
+    Helper* h = instance.load(std::memory_order_acquire);
+    if (h != nullptr && h->pid_ == getpid()) return h->running_ ? h : nullptr;
+    // First use, or a forked child (which has the parent's object but not its thread); the old
+    // object is left as it is, since the parent's thread may still read it.
+    static std::mutex start;
+    std::lock_guard<std::mutex> lock(start);
+    h = instance.load(std::memory_order_acquire);
+    if (h == nullptr || h->pid_ != getpid()) {
+      h = new Helper();
+      h->start();
+      instance.store(h, std::memory_order_release);
+    }
+    return h->running_ ? h : nullptr;
+  }
+
+  // Held by the one caller that may use the helper at a time (an engine's loop thread; others
+  // compute alone). It guards the slots.
+  std::mutex caller;
+
+  Slot* publish(Job&& job) {
+    Slot* slot = nullptr;
+    for (auto& s : slots_) {
+      if (s->users.load() == 0) {
+        slot = s.get();
+        break;
+      }
+    }
+    if (slot == nullptr) {
+      slots_.push_back(std::make_unique<Slot>());
+      slot = slots_.back().get();
+    }
+    slot->reset(std::move(job));
+    current_.store(slot);
+    gen_.fetch_add(1);
+    if (sleeping_.load()) futex(FUTEX_WAKE_PRIVATE, 1);
+    return slot;
+  }
+
+  void retract() { current_.store(nullptr); }
+
+ private:
+  void start() {
+    try {
+      std::thread([this] { loop(); }).detach();
+      running_ = true;
+    } catch (const std::system_error&) {
+      running_ = false;  // no thread to be had: the caller computes everything
+    }
+  }
+
+  long futex(int op, uint32_t value) {
+    return syscall(SYS_futex, reinterpret_cast<uint32_t*>(&gen_), op, value, nullptr, nullptr, 0);
+  }
+
+  void loop() {
+    pthread_setname_np(pthread_self(), "llm-idle-helper");
+    sched_param param{};
+    if (sched_setscheduler(0, SCHED_IDLE, &param) != 0) {
+      setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), 19);
+    }
+    std::vector<float> scratch;
+    uint32_t seen = gen_.load();
+    for (;;) {
+      const auto until = std::chrono::steady_clock::now() + kSpin;
+      for (uint32_t i = 0; gen_.load(std::memory_order_acquire) == seen; ++i) {
+        if ((i & 1023) != 1023) {
+          cpu_relax();
+        } else if (std::chrono::steady_clock::now() > until) {
+          sleeping_.store(true);
+          if (gen_.load() == seen) futex(FUTEX_WAIT_PRIVATE, seen);
+          sleeping_.store(false);
+        }
+      }
+      seen = gen_.load();
+      Slot* slot = current_.load();
+      if (slot == nullptr) continue;
+      slot->users.fetch_add(1);
+      if (current_.load() == slot) work(*slot, scratch);
+      slot->users.fetch_sub(1);
+    }
+  }
+
+  static void work(Slot& slot, std::vector<float>& scratch) {
+    const Job& job = slot.job;
+    for (;;) {
+      const int64_t c = slot.next.fetch_add(1);
+      if (c >= job.chunks) return;
+      uint8_t expected = FREE;
+      if (!slot.state[c].compare_exchange_strong(expected, CLAIMED)) continue;
+      const Block b = job.place(c);
+      scratch.resize(static_cast<size_t>(b.rows * b.cols));
+      job.compute(c, scratch.data(), b.cols);
+      expected = CLAIMED;
+      if (!slot.state[c].compare_exchange_strong(expected, WRITING)) continue;  // taken back
+      for (int64_t r = 0; r < b.rows; ++r) {
+        std::memcpy(b.dst + r * b.ld, scratch.data() + r * b.cols, b.cols * sizeof(float));
+      }
+      slot.state[c].store(DONE, std::memory_order_release);
+      g_helped.fetch_add(1, std::memory_order_relaxed);
+    }
+  }
+
+  const pid_t pid_;
+  bool running_ = false;
+  std::vector<std::unique_ptr<Slot>> slots_;
+  std::atomic<Slot*> current_{nullptr};
+  std::atomic<uint32_t> gen_{0};
+  std::atomic<bool> sleeping_{false};
+};
+
+bool cpus_to_spare() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) != 0) return false;
+  return CPU_COUNT(&set) > 1;
+}
+
+#endif  // LLM_HAVE_HELPER
+
+}  // namespace
+
+void run(Job job) {
+#if LLM_HAVE_HELPER
+  static const bool spare = cpus_to_spare();
+  Helper* helper = (job.chunks > 1 && spare && g_enabled.load(std::memory_order_relaxed))
+                       ? Helper::get() : nullptr;
+  std::unique_lock<std::mutex> lock;
+  if (helper != nullptr) lock = std::unique_lock<std::mutex>(helper->caller, std::try_to_lock);
+  if (lock.owns_lock()) {
+    Slot& slot = *helper->publish(std::move(job));
+    const Job& j = slot.job;
+    for (;;) {
+      const int64_t c = slot.next.fetch_add(1);
+      if (c >= j.chunks) break;
+      compute_in_place(j, c);
+      slot.state[c].store(DONE, std::memory_order_relaxed);
+    }
+    int64_t taken = 0;
+    for (int64_t c = 0; c < j.chunks; ++c) {
+      uint8_t s = slot.state[c].load(std::memory_order_acquire);
+      while (s != DONE && s != TAKEN) {
+        if (s == WRITING) {
+          cpu_relax();
+          s = slot.state[c].load(std::memory_order_acquire);
+        } else if (slot.state[c].compare_exchange_weak(s, TAKEN, std::memory_order_acq_rel)) {
+          compute_in_place(j, c);
+          ++taken;
+          break;
+        }
+      }
+    }
+    helper->retract();
+    if (taken > 0) g_taken_back.fetch_add(taken, std::memory_order_relaxed);
+    return;
+  }
+#endif
+  for (int64_t c = 0; c < job.chunks; ++c) compute_in_place(job, c);
+}
+
+bool set_helper_enabled(bool enabled) { return g_enabled.exchange(enabled); }
+
+HelperStats helper_stats() { return {g_helped.load(), g_taken_back.load()}; }
+
+}  // namespace llm

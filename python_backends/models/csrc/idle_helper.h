@@ -1,0 +1,56 @@
+// Work split between the calling thread and one helper thread that runs only on idle CPU time.
+//
+// An engine on a small machine computes on one thread and leaves the other core to tritonserver,
+// the stubs and the client (docs/engines.md, "CPU threads"): a second OpenMP thread would stall
+// every parallel region whenever another process took its core. The helper here is scheduled
+// SCHED_IDLE, so it runs only when a core would otherwise idle, and it can never hold the caller
+// up: a call's work is cut into chunks that both threads take from one counter; the caller writes
+// its chunks in place, the helper computes into scratch and copies a chunk out only if the caller
+// has not taken it back meanwhile. When the caller runs out of chunks it takes back every chunk
+// the helper has not finished (and computes it itself), waiting only for a copy in progress. Every
+// chunk is computed by the same code whoever runs it, so results do not depend on the split.
+//
+// The helper spins briefly after a job (the next projection of a step follows within
+// microseconds) and then sleeps on a futex, so an idle engine costs no CPU. After a fork the
+// child starts its own helper. Without Linux, or with the helper switched off, the caller
+// computes every chunk.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+namespace llm {
+
+// Chunk c of a job writes `rows` x `cols` floats of a row-major output at `dst` (row stride `ld`).
+struct Block {
+  float* dst;
+  int64_t ld;
+  int64_t rows;
+  int64_t cols;
+};
+
+struct Job {
+  int64_t chunks = 0;
+  std::function<Block(int64_t)> place;                     // where chunk c's result goes
+  std::function<void(int64_t, float*, int64_t)> compute;  // chunk c into (dst, ld)
+  std::vector<at::Tensor> keep;  // inputs and output, alive while the helper may read them
+};
+
+// Runs `job` on the calling thread and the helper; returns when every chunk is in place.
+void run(Job job);
+
+// Whether calls may use the helper (default: yes, with more than one CPU). Returns the old value.
+bool set_helper_enabled(bool enabled);
+
+// Chunks computed by the helper and kept, and taken back from it, since the process started.
+struct HelperStats {
+  int64_t helped;
+  int64_t taken_back;
+};
+HelperStats helper_stats();
+
+}  // namespace llm

@@ -1,0 +1,144 @@
+// float32 projections (y = x W^T) on the engine's thread and the idle helper (idle_helper.h).
+//
+// The weight is packed once into panels of NR output features, each panel [K, NR] contiguous,
+// so a step streams the whole matrix front to back and every loaded weight vector feeds up to MR
+// tokens of the batch. The arithmetic is plain float32 FMA with one accumulator per output, k
+// ascending; results differ from MKL's only in rounding.
+//
+// Built and loaded by python_backends/models/kernels.py (for the machine it runs on).
+#include <ATen/ops/constant_pad_nd.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "idle_helper.h"
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int64_t VL = 16;
+#else
+constexpr int64_t VL = 8;
+#endif
+constexpr int64_t NR = 2 * VL;  // output features per panel
+constexpr int64_t MR = 12;      // tokens per tile
+constexpr int64_t kAhead = 16;   // weight rows prefetched ahead (a panel runs into the next)
+typedef float vec __attribute__((vector_size(VL * sizeof(float))));
+typedef float vec_u __attribute__((vector_size(VL * sizeof(float)), aligned(4)));
+
+// dst[r, 0:cols] = x[r, :] . panel[:, 0:cols] for the R rows of a tile.
+template <int64_t R>
+inline void tile(const float* x, int64_t K, const float* panel, float* dst, int64_t ld, int64_t cols) {
+  vec acc[R][2];
+  for (int64_t r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vec{};
+  for (int64_t k = 0; k < K; ++k) {
+    __builtin_prefetch(panel + (k + kAhead) * NR);
+    __builtin_prefetch(panel + (k + kAhead) * NR + VL);
+    const vec w0 = *reinterpret_cast<const vec_u*>(panel + k * NR);
+    const vec w1 = *reinterpret_cast<const vec_u*>(panel + k * NR + VL);
+    for (int64_t r = 0; r < R; ++r) {
+      const float xv = x[r * K + k];
+      acc[r][0] += xv * w0;
+      acc[r][1] += xv * w1;
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    if (cols == NR) {
+      *reinterpret_cast<vec_u*>(dst + r * ld) = acc[r][0];
+      *reinterpret_cast<vec_u*>(dst + r * ld + VL) = acc[r][1];
+    } else {
+      float row[NR];
+      std::memcpy(row, &acc[r][0], sizeof(vec));
+      std::memcpy(row + VL, &acc[r][1], sizeof(vec));
+      std::memcpy(dst + r * ld, row, cols * sizeof(float));
+    }
+  }
+}
+
+template <int64_t... Rs>
+inline void tile_rows(int64_t rows, const float* x, int64_t K, const float* panel, float* dst,
+                      int64_t ld, int64_t cols, std::integer_sequence<int64_t, Rs...>) {
+  ((rows == Rs + 1 ? tile<Rs + 1>(x, K, panel, dst, ld, cols) : void()), ...);
+}
+
+// Rows [0, T) of panels [p0, p1) into dst (the first panel's first column), row stride ld.
+void panels(const float* x, int64_t T, int64_t K, const float* packed, int64_t n, int64_t p0,
+            int64_t p1, float* dst, int64_t ld) {
+  for (int64_t t = 0; t < T; t += MR) {
+    const int64_t rows = std::min(MR, T - t);
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t cols = std::min(NR, n - p * NR);
+      tile_rows(rows, x + t * K, K, packed + p * K * NR, dst + t * ld + (p - p0) * NR, ld, cols,
+                std::make_integer_sequence<int64_t, MR>{});
+    }
+  }
+}
+
+// How many panels one chunk of work holds: about kChunkSeconds of it, by the time a panel takes
+// to stream from memory or to compute, whichever is longer (rough rates of one core).
+int64_t panels_per_chunk(int64_t T, int64_t K) {
+  constexpr double kChunkSeconds = 25e-6, kBytesPerS = 12e9, kFlopsPerS = 100e9;
+  const double read = static_cast<double>(K * NR * sizeof(float)) / kBytesPerS;
+  const double arithmetic = 2.0 * static_cast<double>(T * K * NR) / kFlopsPerS;
+  return std::max<int64_t>(1, static_cast<int64_t>(kChunkSeconds / std::max(read, arithmetic)));
+}
+
+at::Tensor pack_linear_weight(const at::Tensor& weight) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kFloat && weight.dim() == 2,
+              "pack_linear_weight: a float32 CPU matrix [out_features, in_features]");
+  const int64_t N = weight.size(0), K = weight.size(1), P = (N + NR - 1) / NR;
+  at::Tensor padded = at::constant_pad_nd(weight, {0, 0, 0, P * NR - N}, 0);
+  return padded.view({P, NR, K}).transpose(1, 2).contiguous();  // [P, K, NR]
+}
+
+at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n) {
+  TORCH_CHECK(x_in.device().is_cpu() && packed.device().is_cpu(), "linear: CPU tensors only");
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat,
+              "linear: float32 only");
+  TORCH_CHECK(x_in.dim() == 2 && packed.dim() == 3 && packed.is_contiguous(),
+              "linear: x [T, K] and a weight from pack_linear_weight");
+  TORCH_CHECK(packed.size(2) == NR, "linear: weight packed for panels of ", packed.size(2),
+              " features, this build computes ", NR);
+  const int64_t T = x_in.size(0), K = x_in.size(1), P = packed.size(0);
+  TORCH_CHECK(packed.size(1) == K, "linear: x has ", K, " features, the weight ", packed.size(1));
+  TORCH_CHECK(n > (P - 1) * NR && n <= P * NR, "linear: ", n, " output features for ", P, " panels");
+  at::Tensor x = x_in.contiguous();
+  at::Tensor out = at::empty({T, n}, x.options());
+  if (T == 0) return out;
+  const float* xp = x.const_data_ptr<float>();
+  const float* wp = packed.const_data_ptr<float>();
+  float* op = out.mutable_data_ptr<float>();
+  const int64_t per = panels_per_chunk(T, K);
+  llm::Job job;
+  job.chunks = (P + per - 1) / per;
+  job.place = [=](int64_t c) {
+    const int64_t p0 = c * per, p1 = std::min(P, p0 + per);
+    return llm::Block{op + p0 * NR, n, T, std::min(n, p1 * NR) - p0 * NR};
+  };
+  job.compute = [=](int64_t c, float* dst, int64_t ld) {
+    panels(xp, T, K, wp, n, c * per, std::min(P, (c + 1) * per), dst, ld);
+  };
+  job.keep = {x, packed, out};
+  llm::run(std::move(job));
+  return out;
+}
+
+bool set_idle_helper(bool enabled) { return llm::set_helper_enabled(enabled); }
+
+std::vector<int64_t> idle_helper_stats() {
+  const llm::HelperStats s = llm::helper_stats();
+  return {s.helped, s.taken_back};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(llm_kernels, m) {
+  m.def("pack_linear_weight(Tensor weight) -> Tensor", &pack_linear_weight);
+  m.def("linear(Tensor x, Tensor packed, int out_features) -> Tensor", &linear);
+  m.def("set_idle_helper(bool enabled) -> bool", &set_idle_helper);
+  m.def("idle_helper_stats() -> int[]", &idle_helper_stats);
+}

@@ -1,0 +1,150 @@
+"""The native float32 projection (csrc/linear.cpp) and the idle-CPU helper that shares its work
+(csrc/idle_helper.h)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from python_backends.models import kernels
+
+
+@pytest.fixture(scope="module")
+def ops():
+    assert kernels.load(), "the native kernels did not build here (see the warning logged)"
+    return torch.ops.llm_kernels
+
+
+@pytest.fixture
+def helper(ops):
+    """The helper on (the default); its state is put back after the test."""
+    before = ops.set_idle_helper(True)
+    yield
+    ops.set_idle_helper(before)
+
+
+# (rows, in_features, out_features): one token to prompt-sized, output features that fill no
+# whole panel, that leave a partial last panel, and many panels (the work splits into chunks).
+SHAPES = [(1, 64, 96), (5, 64, 7), (12, 576, 960), (13, 1536, 576), (40, 576, 4099),
+          (1, 576, 49152)]
+
+
+@pytest.mark.parametrize(("rows", "k", "n"), SHAPES)
+def test_matches_float64(ops, helper, rows, k, n):
+    g = torch.Generator().manual_seed(rows * 7 + n)
+    w = torch.randn(n, k, generator=g) / k**0.5
+    x = torch.randn(rows, k, generator=g)
+    y = ops.linear(x, ops.pack_linear_weight(w), n)
+    assert y.shape == (rows, n) and y.dtype == torch.float32
+    torch.testing.assert_close(y.double(), x.double() @ w.double().T, rtol=0, atol=2e-5)
+
+
+def test_results_do_not_depend_on_who_computed_them(ops, helper):
+    """Chunks are computed by the caller or the helper with the same code: bit for bit equal,
+    with the helper on, off, and whatever share it happened to take."""
+    g = torch.Generator().manual_seed(0)
+    w = ops.pack_linear_weight(torch.randn(3000, 576, generator=g))
+    x = torch.randn(9, 576, generator=g)
+    ops.set_idle_helper(False)
+    alone = ops.linear(x, w, 3000)
+    ops.set_idle_helper(True)
+    for _ in range(20):
+        assert torch.equal(ops.linear(x, w, 3000), alone)
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="the helper needs a second CPU")
+def test_the_helper_takes_chunks_when_a_cpu_is_idle(ops, helper):
+    w = ops.pack_linear_weight(torch.randn(16384, 576))
+    x = torch.randn(1, 576)
+    helped, _ = ops.idle_helper_stats()
+    deadline = time.monotonic() + 10
+    while ops.idle_helper_stats()[0] == helped and time.monotonic() < deadline:
+        ops.linear(x, w, 16384)
+    assert ops.idle_helper_stats()[0] > helped
+
+
+def test_switched_off_the_caller_computes_every_chunk(ops, helper):
+    w = ops.pack_linear_weight(torch.randn(16384, 576))
+    x = torch.randn(1, 576)
+    ops.set_idle_helper(False)
+    ops.linear(x, w, 16384)  # a job the helper may still be finishing from before
+    time.sleep(0.05)
+    helped, _ = ops.idle_helper_stats()
+    for _ in range(20):
+        ops.linear(x, w, 16384)
+    assert ops.idle_helper_stats()[0] == helped
+
+
+FORKED = """
+import os, sys, torch
+from python_backends.models import kernels
+assert kernels.load()
+ops = torch.ops.llm_kernels
+w = ops.pack_linear_weight(torch.randn(8192, 576))
+x = torch.randn(2, 576)
+want = ops.linear(x, w, 8192)  # the parent's helper is running now
+pid = os.fork()
+if pid == 0:
+    ok = all(torch.equal(ops.linear(x, w, 8192), want) for _ in range(50))
+    os._exit(0 if ok else 3)
+_, status = os.waitpid(pid, 0)
+print("child", os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_a_forked_child_computes_with_a_helper_of_its_own(ops):
+    """The child inherits the parent's helper object but not its thread: it must neither hang
+    waiting for that thread nor compute wrongly."""
+    out = subprocess.run([sys.executable, "-c", FORKED], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "child 0"
+
+
+def test_callers_on_several_threads_each_get_their_own_results(ops, helper):
+    """One caller at a time shares work with the helper; the others compute alone."""
+    g = torch.Generator().manual_seed(1)
+    w = ops.pack_linear_weight(torch.randn(4096, 576, generator=g))
+    xs = [torch.randn(3, 576, generator=g) for _ in range(4)]
+    ops.set_idle_helper(False)
+    want = [ops.linear(x, w, 4096) for x in xs]
+    ops.set_idle_helper(True)
+    with ThreadPoolExecutor(4) as pool:
+        for _ in range(10):
+            got = list(pool.map(lambda x: ops.linear(x, w, 4096), xs))
+            assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_refuses_bad_arguments(ops):
+    w = ops.pack_linear_weight(torch.randn(96, 64))
+    x = torch.randn(3, 64)
+    cases = [
+        (lambda: ops.linear(x.double(), w, 96), "float32 only"),
+        (lambda: ops.linear(torch.randn(3, 32), w, 96), "x has 32 features"),
+        (lambda: ops.linear(x, w, 200), "output features"),
+        (lambda: ops.linear(x, w, 0), "output features"),
+        (lambda: ops.linear(x[None], w, 96), "x \\[T, K\\]"),
+        (lambda: ops.pack_linear_weight(torch.randn(4, 4, 4)), "float32 CPU matrix"),
+        (lambda: ops.pack_linear_weight(torch.randn(4, 4).half()), "float32 CPU matrix"),
+    ]
+    for call, message in cases:
+        with pytest.raises(RuntimeError, match=message):
+            call()
+
+
+def test_no_rows_give_no_rows(ops):
+    w = ops.pack_linear_weight(torch.randn(96, 64))
+    assert ops.linear(torch.empty(0, 64), w, 96).shape == (0, 96)
+
+
+def test_strided_inputs_are_read_correctly(ops):
+    w = torch.randn(96, 64)
+    x = torch.randn(64, 6).T  # [6, 64], not contiguous
+    torch.testing.assert_close(ops.linear(x, ops.pack_linear_weight(w), 96), x @ w.T,
+                               rtol=1e-5, atol=1e-5)
