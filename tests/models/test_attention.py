@@ -75,6 +75,30 @@ def test_kernel_matches_reference_and_torch_path(kernel, dtype, heads, kv_heads)
                                rtol=TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_results_do_not_depend_on_the_threads_that_computed_them(kernel, dtype):
+    """One torch thread: sequences are shared with the idle-CPU helper (csrc/idle_helper.h),
+    several: split over the torch threads; bit for bit the same as one thread alone."""
+    lens = [5, 140, 33, 16, 64, 1, 99, 7]
+    d = paged_batch(lens, 64)
+    g = torch.Generator().manual_seed(2)
+    cache = torch.randn(2, 64 * BLOCK, 3, 64, generator=g).to(dtype)
+    q = torch.randn(len(lens), 9, 64, generator=g).to(dtype)
+    ops, threads = torch.ops.llm_kernels, torch.get_num_threads()
+    before = ops.set_idle_helper(False)
+    try:
+        torch.set_num_threads(1)
+        alone = kernel(q, cache, d.slots, d.lens, 0.125)
+        ops.set_idle_helper(True)
+        shared = [kernel(q, cache, d.slots, d.lens, 0.125) for _ in range(20)]
+        torch.set_num_threads(2)
+        split = kernel(q, cache, d.slots, d.lens, 0.125)
+    finally:
+        ops.set_idle_helper(before)
+        torch.set_num_threads(threads)
+    assert all(torch.equal(s, alone) for s in shared) and torch.equal(split, alone)
+
+
 def test_kernel_reads_only_each_context(kernel):
     """Padding and slots outside a context never count: poisoning them changes nothing."""
     num_blocks, kv_heads, head_dim = 32, 3, 64

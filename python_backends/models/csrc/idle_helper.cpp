@@ -158,7 +158,7 @@ class Helper {
     }
   }
 
-  static void work(Slot& slot, std::vector<float>& scratch) {
+  static void work(Slot& slot, std::vector<float>& scratch) {  // float: aligned for any dtype
     const Job& job = slot.job;
     for (;;) {
       const int64_t c = slot.next.fetch_add(1);
@@ -166,12 +166,13 @@ class Helper {
       uint8_t expected = FREE;
       if (!slot.state[c].compare_exchange_strong(expected, CLAIMED)) continue;
       const Block b = job.place(c);
-      scratch.resize(static_cast<size_t>(b.rows * b.cols));
-      job.compute(c, scratch.data(), b.cols);
+      scratch.resize(static_cast<size_t>((b.rows * b.row_bytes + 3) / 4));
+      char* mine = reinterpret_cast<char*>(scratch.data());
+      job.compute(c, mine, b.row_bytes);
       expected = CLAIMED;
       if (!slot.state[c].compare_exchange_strong(expected, WRITING)) continue;  // taken back
       for (int64_t r = 0; r < b.rows; ++r) {
-        std::memcpy(b.dst + r * b.ld, scratch.data() + r * b.cols, b.cols * sizeof(float));
+        std::memcpy(b.dst + r * b.ld, mine + r * b.row_bytes, b.row_bytes);
       }
       slot.state[c].store(DONE, std::memory_order_release);
       g_helped.fetch_add(1, std::memory_order_relaxed);

@@ -25,18 +25,18 @@
 
 namespace llm {
 
-// Chunk c of a job writes `rows` x `cols` floats of a row-major output at `dst` (row stride `ld`).
+// Chunk c of a job writes `rows` rows of `row_bytes` bytes each at `dst`, `ld` bytes apart.
 struct Block {
-  float* dst;
+  char* dst;
   int64_t ld;
   int64_t rows;
-  int64_t cols;
+  int64_t row_bytes;
 };
 
 struct Job {
   int64_t chunks = 0;
   std::function<Block(int64_t)> place;                     // where chunk c's result goes
-  std::function<void(int64_t, float*, int64_t)> compute;  // chunk c into (dst, ld)
+  std::function<void(int64_t, char*, int64_t)> compute;  // chunk c into (dst, ld in bytes)
   std::vector<at::Tensor> keep;  // inputs and output, alive while the helper may read them
 };
 

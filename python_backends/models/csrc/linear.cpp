@@ -115,12 +115,15 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n) {
   const int64_t per = panels_per_chunk(T, K);
   llm::Job job;
   job.chunks = (P + per - 1) / per;
+  constexpr int64_t F = sizeof(float);
   job.place = [=](int64_t c) {
     const int64_t p0 = c * per, p1 = std::min(P, p0 + per);
-    return llm::Block{op + p0 * NR, n, T, std::min(n, p1 * NR) - p0 * NR};
+    return llm::Block{reinterpret_cast<char*>(op + p0 * NR), n * F, T,
+                      (std::min(n, p1 * NR) - p0 * NR) * F};
   };
-  job.compute = [=](int64_t c, float* dst, int64_t ld) {
-    panels(xp, T, K, wp, n, c * per, std::min(P, (c + 1) * per), dst, ld);
+  job.compute = [=](int64_t c, char* dst, int64_t ld) {
+    panels(xp, T, K, wp, n, c * per, std::min(P, (c + 1) * per), reinterpret_cast<float*>(dst),
+           ld / F);
   };
   job.keep = {x, packed, out};
   llm::run(std::move(job));

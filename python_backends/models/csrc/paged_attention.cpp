@@ -19,6 +19,8 @@
 #include <limits>
 #include <vector>
 
+#include "idle_helper.h"
+
 namespace {
 
 template <typename T>
@@ -27,63 +29,93 @@ inline void prefetch_row(const T* row, int64_t n) {
   for (int64_t c = 0; c < n * static_cast<int64_t>(sizeof(T)); c += 64) __builtin_prefetch(p + c);
 }
 
-// q: [B, H, D]; cache: [2, S, K, D]; slots: [B, L] (row b's first lens[b] are its context, in
-// order); lens: [B]. Returns [B, H, D]. Query head h reads KV head h / (H / K), as Hugging
-// Face's repeat_kv lays them out.
+// One sequence's query q [H, D] over its n context slots `row` into o [H, D]. Query head h
+// reads KV head h / (H / K), as Hugging Face's repeat_kv lays them out.
 template <typename T>
-void decode(const T* q, const T* cache, const int64_t* slots, const int64_t* lens, T* out,
-            int64_t B, int64_t H, int64_t K, int64_t D, int64_t S, int64_t L, float scale) {
+void decode_one(const T* q, const T* keys, const T* values, const int64_t* row, int64_t n, T* o,
+                int64_t H, int64_t K, int64_t D, float scale) {
   const int64_t G = H / K, KD = K * D;
-  const T* keys = cache;
-  const T* values = cache + S * KD;
-  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(H * D), scores(H * L), acc(H * D), top(H), total(H);
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t n = lens[b];
-      const int64_t* row = slots + b * L;
-      for (int64_t i = 0; i < H * D; ++i) qf[i] = static_cast<float>(q[b * H * D + i]) * scale;
-      std::fill(top.begin(), top.end(), -std::numeric_limits<float>::infinity());
-      for (int64_t t = 0; t < n; ++t) {
-        if (t + 2 < n) prefetch_row(keys + row[t + 2] * KD, KD);
-        const T* k = keys + row[t] * KD;
-        for (int64_t h = 0; h < H; ++h) {
-          const float* qh = qf.data() + h * D;
-          const T* kh = k + (h / G) * D;
-          float s = 0.f;
+  thread_local std::vector<float> qf, scores, acc, top, total;  // the caller's and the helper's
+  qf.resize(H * D);
+  scores.resize(H * n);
+  acc.assign(H * D, 0.f);
+  top.assign(H, -std::numeric_limits<float>::infinity());
+  total.resize(H);
+  for (int64_t i = 0; i < H * D; ++i) qf[i] = static_cast<float>(q[i]) * scale;
+  for (int64_t t = 0; t < n; ++t) {
+    if (t + 2 < n) prefetch_row(keys + row[t + 2] * KD, KD);
+    const T* k = keys + row[t] * KD;
+    for (int64_t h = 0; h < H; ++h) {
+      const float* qh = qf.data() + h * D;
+      const T* kh = k + (h / G) * D;
+      float s = 0.f;
 #pragma omp simd reduction(+ : s)
-          for (int64_t d = 0; d < D; ++d) s += qh[d] * static_cast<float>(kh[d]);
-          scores[h * L + t] = s;
-          top[h] = std::max(top[h], s);
-        }
-      }
-      for (int64_t h = 0; h < H; ++h) {
-        float* sh = scores.data() + h * L;
-        float sum = 0.f;
-        for (int64_t t = 0; t < n; ++t) {
-          sh[t] = std::exp(sh[t] - top[h]);
-          sum += sh[t];
-        }
-        total[h] = sum;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < n; ++t) {
-        if (t + 2 < n) prefetch_row(values + row[t + 2] * KD, KD);
-        const T* v = values + row[t] * KD;
-        for (int64_t h = 0; h < H; ++h) {
-          const float p = scores[h * L + t];
-          const T* vh = v + (h / G) * D;
-          float* a = acc.data() + h * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) a[d] += p * static_cast<float>(vh[d]);
-        }
-      }
-      for (int64_t h = 0; h < H; ++h) {
-        const float inv = 1.f / total[h];
-        T* o = out + (b * H + h) * D;
-        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(acc[h * D + d] * inv);
-      }
+      for (int64_t d = 0; d < D; ++d) s += qh[d] * static_cast<float>(kh[d]);
+      scores[h * n + t] = s;
+      top[h] = std::max(top[h], s);
     }
-  });
+  }
+  for (int64_t h = 0; h < H; ++h) {
+    float* sh = scores.data() + h * n;
+    float sum = 0.f;
+    for (int64_t t = 0; t < n; ++t) {
+      sh[t] = std::exp(sh[t] - top[h]);
+      sum += sh[t];
+    }
+    total[h] = sum;
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    if (t + 2 < n) prefetch_row(values + row[t + 2] * KD, KD);
+    const T* v = values + row[t] * KD;
+    for (int64_t h = 0; h < H; ++h) {
+      const float p = scores[h * n + t];
+      const T* vh = v + (h / G) * D;
+      float* a = acc.data() + h * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) a[d] += p * static_cast<float>(vh[d]);
+    }
+  }
+  for (int64_t h = 0; h < H; ++h) {
+    const float inv = 1.f / total[h];
+    for (int64_t d = 0; d < D; ++d) o[h * D + d] = static_cast<T>(acc[h * D + d] * inv);
+  }
+}
+
+// q: [B, H, D]; cache: [2, S, K, D]; slots: [B, L] (row b's first lens[b] are its context, in
+// order); lens: [B]; out: [B, H, D]. An engine of several torch threads splits the sequences
+// over them; one of a single thread shares them with the idle-CPU helper (idle_helper.h), a
+// sequence per chunk.
+template <typename T>
+void decode(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& slots,
+            const at::Tensor& lens, const at::Tensor& out, float scale) {
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), S = cache.size(1), K = cache.size(2),
+                L = slots.size(1), HD = H * D;
+  const T* qp = q.const_data_ptr<T>();
+  const T* keys = cache.const_data_ptr<T>();
+  const T* values = keys + S * K * D;
+  const int64_t* sp = slots.const_data_ptr<int64_t>();
+  const int64_t* lp = lens.const_data_ptr<int64_t>();
+  T* op = out.mutable_data_ptr<T>();
+  if (at::get_num_threads() > 1) {
+    at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b) {
+        decode_one(qp + b * HD, keys, values, sp + b * L, lp[b], op + b * HD, H, K, D, scale);
+      }
+    });
+    return;
+  }
+  llm::Job job;
+  job.chunks = B;
+  job.place = [=](int64_t b) {
+    return llm::Block{reinterpret_cast<char*>(op + b * HD), 0, 1,
+                      static_cast<int64_t>(HD * sizeof(T))};
+  };
+  job.compute = [=](int64_t b, char* dst, int64_t) {
+    decode_one(qp + b * HD, keys, values, sp + b * L, lp[b], reinterpret_cast<T*>(dst), H, K, D,
+               scale);
+  };
+  job.keep = {q, cache, slots, lens, out};
+  llm::run(std::move(job));
 }
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& cache,
@@ -106,8 +138,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& cache,
   }
   at::Tensor out = at::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
-    decode<scalar_t>(q.const_data_ptr<scalar_t>(), cache.const_data_ptr<scalar_t>(), sp, lp,
-                     out.mutable_data_ptr<scalar_t>(), B, H, K, D, S, L, static_cast<float>(scale));
+    decode<scalar_t>(q, cache, slots, lens, out, static_cast<float>(scale));
   });
   return out;
 }
