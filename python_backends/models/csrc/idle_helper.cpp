@@ -228,6 +228,9 @@ void run(Job job) {
       }
     }
     helper->retract();
+    // Let go of the job's tensors now unless the helper still holds the slot (a chunk taken back
+    // from it); a helper that pins it from here on finds it retracted and leaves it alone.
+    if (slot.users.load() == 0) slot.job = Job{};
     if (taken > 0) g_taken_back.fetch_add(taken, std::memory_order_relaxed);
     return;
   }
