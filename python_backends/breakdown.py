@@ -12,13 +12,15 @@ what the serving path costs the machine; the engine phases are wall time on the 
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from python_backends import procfs
 from python_backends.client import Metrics, metric_sum, scrape
 from python_backends.watchdog import stub_of
 
 STEP_PHASES_METRIC = "llm_engine_step_seconds_total"
+KERNEL_CHUNKS_METRIC = "llm_kernel_chunks_total"
+HELPER_CHUNKS_METRIC = "llm_idle_helper_chunks_total"
 
 
 def server_pid(metrics_port: int) -> int | None:
@@ -59,6 +61,7 @@ class Breakdown:
     wall_s: float
     cpu_ms: dict[str, float]  # CPU ms per token, by process name (a model's instances summed)
     phases_ms: dict[str, dict[str, float]]  # engine wall ms per token, by model then phase
+    helper_share: dict[str, float] = field(default_factory=dict)  # by model: helper's chunks
 
 
 def breakdown(before: Snapshot, after: Snapshot, tokens: int, wall_s: float) -> Breakdown:
@@ -78,7 +81,15 @@ def breakdown(before: Snapshot, after: Snapshot, tokens: int, wall_s: float) -> 
                  - metric_sum(before.metrics, STEP_PHASES_METRIC, model=model, phase=phase))
         phases[model][phase] = delta * per_token
     busy = {m: p for m, p in phases.items() if sum(p.values()) > 0}
-    return Breakdown(tokens, wall_s, dict(cpu), busy)
+    share = {}
+    for model in busy:
+        chunks, helped = (
+            metric_sum(after.metrics, name, model=model) - metric_sum(before.metrics, name,
+                                                                      model=model)
+            for name in (KERNEL_CHUNKS_METRIC, HELPER_CHUNKS_METRIC))
+        if chunks > 0:
+            share[model] = helped / chunks
+    return Breakdown(tokens, wall_s, dict(cpu), busy, share)
 
 
 def format_breakdown(b: Breakdown, cores: int) -> str:
@@ -94,4 +105,7 @@ def format_breakdown(b: Breakdown, cores: int) -> str:
                           sorted(phases.items(), key=lambda kv: -kv[1]))
         lines.append(f"  {model} engine loop, wall ms per token: {parts} "
                      f"(sum {sum(phases.values()):.2f})")
+        if model in b.helper_share:
+            lines.append(f"  {model} idle-CPU helper: {100 * b.helper_share[model]:.0f}% of the "
+                         f"native kernels' work chunks")
     return "\n".join(lines)

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from python_backends.breakdown import STEP_PHASES_METRIC, Snapshot, breakdown, format_breakdown
+from python_backends.breakdown import (
+    HELPER_CHUNKS_METRIC,
+    KERNEL_CHUNKS_METRIC,
+    STEP_PHASES_METRIC,
+    Snapshot,
+    breakdown,
+    format_breakdown,
+)
 from python_backends.client import Metrics
 
 
@@ -29,3 +36,21 @@ def test_breakdown_per_token() -> None:
 def test_idle_engines_are_left_out() -> None:
     snap = Snapshot({1: 1.0}, {1: "tritonserver"}, phases(forward=1.0))
     assert breakdown(snap, snap, tokens=10, wall_s=1.0).phases_ms == {}
+
+
+def test_the_helpers_share_of_kernel_chunks_over_the_load() -> None:
+    def metrics(chunks: float, helped: float) -> Metrics:
+        labels = frozenset({("model", "worker"), ("instance", "worker_0_0")})
+        return {**phases(forward=chunks / 100),
+                KERNEL_CHUNKS_METRIC: {labels: chunks}, HELPER_CHUNKS_METRIC: {labels: helped}}
+
+    names = {1: "worker"}
+    b = breakdown(Snapshot({1: 0.0}, names, metrics(1000, 100)),
+                  Snapshot({1: 1.0}, names, metrics(3000, 900)), tokens=10, wall_s=1.0)
+    assert b.helper_share == {"worker": 0.4}  # 800 of the load's 2000 chunks
+    assert "worker idle-CPU helper: 40% of the native kernels' work chunks" in format_breakdown(
+        b, cores=2)
+    # no kernel chunks (torch ops, a GPU engine): no line
+    flat = Snapshot({1: 0.0}, names, metrics(1000, 100))
+    moved = Snapshot({1: 1.0}, names, {**metrics(1000, 100), **phases(forward=20.0)})
+    assert breakdown(flat, moved, tokens=10, wall_s=1.0).helper_share == {}

@@ -22,6 +22,7 @@ from python_backends.engine.scheduler import Scheduler, SchedulerOutput
 from python_backends.engine.sequence import Sequence
 from python_backends.engine.waiting_queue import WaitingQueue
 from python_backends.kv_transfer.layout import KVLayout
+from python_backends.models import kernels
 from python_backends.models.llama import LlamaForCausalLM
 from python_backends.parallel.context import ParallelContext
 from python_backends.parallel.placement import Placement
@@ -76,6 +77,9 @@ class EngineStats:
     ranks_total: int = 1
     devices: tuple[str, ...] = ("cpu",)  # rank r's device
     step_seconds: tuple[tuple[str, float], ...] = ()  # since start: by STEP_PHASES
+    kernel_chunks: int = 0  # since start, rank 0's process: native-kernel work, in chunks
+    helper_chunks: int = 0  # of those, computed by the idle-CPU helper (models.kernels)
+    helper_taken_back: int = 0  # chunks the helper had taken that the engine thread took back
 
 
 class LLMEngine:
@@ -235,6 +239,7 @@ class LLMEngine:
         return event
 
     def stats(self) -> EngineStats:
+        helper = kernels.helper_stats()
         return EngineStats(
             kv_blocks_used=self.blocks.num_used,
             kv_blocks_total=self.blocks.num_blocks,
@@ -255,4 +260,7 @@ class LLMEngine:
             ranks_total=self.config.parallel.world_size,
             devices=tuple(str(d) for d in self.devices),
             step_seconds=tuple(self.step_seconds.items()),
+            kernel_chunks=helper.chunks,
+            helper_chunks=helper.helped,
+            helper_taken_back=helper.taken_back,
         )

@@ -21,6 +21,7 @@ import platform
 import sys
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -100,18 +101,40 @@ def _build_and_load(directory: Path) -> None:
         log.warning("kernels compiled in %.0f s", time.monotonic() - start)
 
 
+_loaded = False
+
+
 @functools.cache
 def load() -> bool:
     """Load (building first if needed) the kernels into this process; False, with one logged
     reason, when they are off or cannot be built."""
     if not enabled():
         return False
+    global _loaded
     try:
         _build_and_load(build_dir())
     except Exception as e:  # no compiler, no headers, a failed build: the torch ops remain
         log.warning("engine CPU kernels unavailable, using torch ops: %s", str(e).strip()[-500:])
         return False
+    _loaded = True
     return True
+
+
+@dataclass(frozen=True)
+class HelperStats:
+    """Since the process started: chunks of native-kernel work, those the idle-CPU helper
+    computed, and those the calling thread took back from it (csrc/idle_helper.h)."""
+
+    chunks: int = 0
+    helped: int = 0
+    taken_back: int = 0
+
+
+def helper_stats() -> HelperStats:
+    """This process's figures; zeros where the kernels were never loaded."""
+    if not _loaded:
+        return HelperStats()
+    return HelperStats(*torch.ops.llm_kernels.idle_helper_stats())
 
 
 def paged_decode_attention() -> Any | None:

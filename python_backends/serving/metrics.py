@@ -43,6 +43,12 @@ ENGINE_TOTALS = (
     ("kv_store_read_bytes", "llm_kv_store_read_bytes_total", "Bytes read from the KV store"),
     ("kv_store_written_bytes", "llm_kv_store_written_bytes_total",
      "Bytes written to the KV store"),
+    ("kernel_chunks", "llm_kernel_chunks_total",
+     "Chunks of work of the engine's native CPU kernels (rank 0's process)"),
+    ("helper_chunks", "llm_idle_helper_chunks_total",
+     "Of those, chunks the idle-CPU helper thread computed (its share of the second core)"),
+    ("helper_taken_back", "llm_idle_helper_taken_back_total",
+     "Chunks the helper had taken and the engine thread took back and computed itself"),
 )
 LATENCY_BUCKETS = [
     0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,

@@ -133,12 +133,17 @@ def test_one_thread_engines_compute_projections_natively_and_match_hf(
     assert model.native_linears
     assert all(m.native is not None and m.packed is None and m.plain is None
                and m.weight.numel() == 0 for m in linears)
+    before = engine.stats()
     batch = prompts(3)
     seqs = [engine.add_request(f"s{i}", p, SamplingParams(max_tokens=6))
             for i, p in enumerate(batch)]
     while engine.has_unfinished:
         engine.step()
     assert [s.output_ids for s in seqs] == [tiny_llama.greedy(p, 6) for p in batch]
+    after = engine.stats()  # the kernels' work shows in the stats the metrics publish
+    assert after.kernel_chunks > before.kernel_chunks
+    assert 0 <= after.helper_chunks - before.helper_chunks <= after.kernel_chunks
+    assert after.helper_taken_back >= before.helper_taken_back
 
 
 def fake_op(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:

@@ -31,6 +31,7 @@ namespace {
 enum State : uint8_t { FREE, CLAIMED, WRITING, DONE, TAKEN };
 
 std::atomic<bool> g_enabled{true};
+std::atomic<int64_t> g_chunks{0};
 std::atomic<int64_t> g_helped{0};
 std::atomic<int64_t> g_taken_back{0};
 
@@ -198,6 +199,7 @@ bool cpus_to_spare() {
 }  // namespace
 
 void run(Job job) {
+  g_chunks.fetch_add(job.chunks, std::memory_order_relaxed);
 #if LLM_HAVE_HELPER
   static const bool spare = cpus_to_spare();
   Helper* helper = (job.chunks > 1 && spare && g_enabled.load(std::memory_order_relaxed))
@@ -240,6 +242,6 @@ void run(Job job) {
 
 bool set_helper_enabled(bool enabled) { return g_enabled.exchange(enabled); }
 
-HelperStats helper_stats() { return {g_helped.load(), g_taken_back.load()}; }
+HelperStats helper_stats() { return {g_chunks.load(), g_helped.load(), g_taken_back.load()}; }
 
 }  // namespace llm

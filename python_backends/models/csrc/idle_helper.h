@@ -46,8 +46,10 @@ void run(Job job);
 // Whether calls may use the helper (default: yes, with more than one CPU). Returns the old value.
 bool set_helper_enabled(bool enabled);
 
-// Chunks computed by the helper and kept, and taken back from it, since the process started.
+// Since the process started: chunks of every job, those the helper computed and kept, and those
+// the caller took back from it.
 struct HelperStats {
+  int64_t chunks;
   int64_t helped;
   int64_t taken_back;
 };

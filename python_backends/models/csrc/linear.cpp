@@ -134,7 +134,7 @@ bool set_idle_helper(bool enabled) { return llm::set_helper_enabled(enabled); }
 
 std::vector<int64_t> idle_helper_stats() {
   const llm::HelperStats s = llm::helper_stats();
-  return {s.helped, s.taken_back};
+  return {s.chunks, s.helped, s.taken_back};
 }
 
 }  // namespace
