@@ -16,19 +16,16 @@
 #include <vector>
 
 #include "idle_helper.h"
+#include "vec.h"
 
 namespace {
 
-#if defined(__AVX512F__)
-constexpr int64_t VL = 16;
-#else
-constexpr int64_t VL = 8;
-#endif
+using llm::vec;
+using llm::vec_u;
+using llm::VL;
 constexpr int64_t NR = 2 * VL;  // output features per panel
-constexpr int64_t MR = 12;      // tokens per tile
+constexpr int64_t MR = VL == 16 ? 12 : 6;  // tokens per tile: 2 MR accumulators + 2 in registers
 constexpr int64_t kAhead = 16;   // weight rows prefetched ahead (a panel runs into the next)
-typedef float vec __attribute__((vector_size(VL * sizeof(float))));
-typedef float vec_u __attribute__((vector_size(VL * sizeof(float)), aligned(4)));
 
 // dst[r, 0:cols] = x[r, :] . panel[:, 0:cols] for the R rows of a tile.
 template <int64_t R>

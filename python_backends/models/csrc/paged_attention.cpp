@@ -4,9 +4,11 @@
 // cache's slots in any order (a sequence's blocks are scattered over the pool). The torch path
 // (python_backends/models/attention.py) first copies every context into a padded batch with
 // index_select and then runs scaled_dot_product_attention over the copy: three passes over the
-// KV bytes. This reads each slot's keys and values once, where they are, prefetching the slot
-// two ahead. Exact softmax (scores kept, maximum subtracted), float32 arithmetic for every
-// storage dtype: the same math as the torch path, in another summation order.
+// KV bytes. This reads each slot's keys and values once, where they are, prefetching ahead.
+// Exact softmax (scores kept, maximum subtracted), float32 arithmetic for every storage dtype:
+// the same math as the torch path, in another summation order. float32 caches take a vectorized
+// path (vec.h: tree-summed dot products, exp sixteen scores at a time, within 2 ulp): 22 -> 14
+// us for a 150-token context here; 16-bit caches convert element by element.
 //
 // Built and loaded by python_backends/models/kernels.py (for the machine it runs on).
 #include <ATen/Dispatch.h>
@@ -17,9 +19,11 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "idle_helper.h"
+#include "vec.h"
 
 namespace {
 
@@ -81,6 +85,86 @@ void decode_one(const T* q, const T* keys, const T* values, const int64_t* row, 
   }
 }
 
+// decode_one for float32 caches whose head size is a multiple of the vector width (vec.h): the
+// same math, vectorized, each KV head's rows read in turn by the query heads of its group, and
+// exp computed eight or sixteen scores at a time (llm::exp_nonpositive).
+void decode_one_f32(const float* q, const float* keys, const float* values, const int64_t* row,
+                    int64_t n, float* o, int64_t H, int64_t K, int64_t D, float scale) {
+  using llm::load;
+  using llm::store;
+  using llm::vec;
+  using llm::VL;
+  const int64_t G = H / K, KD = K * D;
+  thread_local std::vector<float> qf, scores, acc, top, total;
+  qf.resize(H * D);
+  scores.resize(H * n);
+  acc.assign(H * D, 0.f);
+  top.assign(H, -std::numeric_limits<float>::infinity());
+  total.resize(H);
+  for (int64_t i = 0; i < H * D; ++i) qf[i] = q[i] * scale;
+  for (int64_t g = 0; g < K; ++g) {
+    for (int64_t t = 0; t < n; ++t) {
+      if (g == 0 && t + 8 < n) prefetch_row(keys + row[t + 8] * KD, KD);
+      const float* k = keys + row[t] * KD + g * D;
+      for (int64_t h = g * G; h < (g + 1) * G; ++h) {
+        const float* qh = qf.data() + h * D;
+        vec a = vec{};
+        for (int64_t d = 0; d < D; d += VL) a += load(qh + d) * load(k + d);
+        const float s = llm::hsum(a);
+        scores[h * n + t] = s;
+        top[h] = std::max(top[h], s);
+      }
+    }
+  }
+  for (int64_t h = 0; h < H; ++h) {
+    float* sh = scores.data() + h * n;
+    const vec shift = vec{} + top[h];
+    vec sum = vec{};
+    int64_t t = 0;
+    for (; t + VL <= n; t += VL) {
+      const vec e = llm::exp_nonpositive(load(sh + t) - shift);
+      store(sh + t, e);
+      sum += e;
+    }
+    float rest = 0.f;
+    if (t < n) {  // the last few scores, through the same exp
+      float lanes[VL] = {};
+      std::copy(sh + t, sh + n, lanes);
+      const vec e = llm::exp_nonpositive(load(lanes) - shift);
+      store(lanes, e);
+      for (int64_t i = 0; i < n - t; ++i) {
+        sh[t + i] = lanes[i];
+        rest += lanes[i];
+      }
+    }
+    total[h] = llm::hsum(sum) + rest;
+  }
+  for (int64_t g = 0; g < K; ++g) {
+    for (int64_t t = 0; t < n; ++t) {
+      if (g == 0 && t + 8 < n) prefetch_row(values + row[t + 8] * KD, KD);
+      const float* v = values + row[t] * KD + g * D;
+      for (int64_t h = g * G; h < (g + 1) * G; ++h) {
+        const float p = scores[h * n + t];
+        float* a = acc.data() + h * D;
+        for (int64_t d = 0; d < D; d += VL) store(a + d, load(a + d) + p * load(v + d));
+      }
+    }
+  }
+  for (int64_t h = 0; h < H; ++h) {
+    const float inv = 1.f / total[h];
+    for (int64_t d = 0; d < D; ++d) o[h * D + d] = acc[h * D + d] * inv;
+  }
+}
+
+template <typename T>
+inline void decode_seq(const T* q, const T* keys, const T* values, const int64_t* row, int64_t n,
+                       T* o, int64_t H, int64_t K, int64_t D, float scale) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (D % llm::VL == 0) return decode_one_f32(q, keys, values, row, n, o, H, K, D, scale);
+  }
+  decode_one(q, keys, values, row, n, o, H, K, D, scale);
+}
+
 // q: [B, H, D]; cache: [2, S, K, D]; slots: [B, L] (row b's first lens[b] are its context, in
 // order); lens: [B]; out: [B, H, D]. An engine of several torch threads splits the sequences
 // over them; one of a single thread shares them with the idle-CPU helper (idle_helper.h), a
@@ -99,7 +183,7 @@ void decode(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& slot
   if (at::get_num_threads() > 1) {
     at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
       for (int64_t b = begin; b < end; ++b) {
-        decode_one(qp + b * HD, keys, values, sp + b * L, lp[b], op + b * HD, H, K, D, scale);
+        decode_seq(qp + b * HD, keys, values, sp + b * L, lp[b], op + b * HD, H, K, D, scale);
       }
     });
     return;
@@ -111,7 +195,7 @@ void decode(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& slot
                       static_cast<int64_t>(HD * sizeof(T))};
   };
   job.compute = [=](int64_t b, char* dst, int64_t) {
-    decode_one(qp + b * HD, keys, values, sp + b * L, lp[b], reinterpret_cast<T*>(dst), H, K, D,
+    decode_seq(qp + b * HD, keys, values, sp + b * L, lp[b], reinterpret_cast<T*>(dst), H, K, D,
                scale);
   };
   job.keep = {q, cache, slots, lens, out};
