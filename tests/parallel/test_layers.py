@@ -72,6 +72,15 @@ def test_the_choice_times_both_kernels_in_turn(monkeypatch: pytest.MonkeyPatch) 
     assert order == [True, False] * 4
 
 
+def assert_greedy_matches_hf(engine: LLMEngine, tiny_llama: TinyModel) -> None:
+    batch = prompts(3)
+    seqs = [engine.add_request(f"s{i}", p, SamplingParams(max_tokens=6))
+            for i, p in enumerate(batch)]
+    while engine.has_unfinished:
+        engine.step()
+    assert [s.output_ids for s in seqs] == [tiny_llama.greedy(p, 6) for p in batch]
+
+
 @pytest.mark.parametrize("plain_wins", [True, False])
 def test_an_engine_keeps_plain_weights_as_measured_and_matches_hf(
     tiny_llama: TinyModel, monkeypatch: pytest.MonkeyPatch, plain_wins: bool,
@@ -85,12 +94,7 @@ def test_an_engine_keeps_plain_weights_as_measured_and_matches_hf(
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert model.one_token_plain is plain_wins
     assert all((m.plain is not None) is plain_wins and m.packed is not None for m in linears)
-    batch = prompts(3)
-    seqs = [engine.add_request(f"s{i}", p, SamplingParams(max_tokens=6))
-            for i, p in enumerate(batch)]
-    while engine.has_unfinished:
-        engine.step()
-    assert [s.output_ids for s in seqs] == [tiny_llama.greedy(p, 6) for p in batch]
+    assert_greedy_matches_hf(engine, tiny_llama)
 
 
 def test_keep_plain_can_be_forced_either_way_and_16_bit_engines_never_keep_it(
@@ -123,10 +127,10 @@ def test_engines_load_with_the_measured_choice(tiny_llama: TinyModel, torch_thre
     assert kept == {model.one_token_plain} and not model.native_linears
 
 
-@pytest.mark.skipif(not kernels.load(), reason="no native kernels on this machine")
 def test_one_thread_engines_compute_projections_natively_and_match_hf(
     tiny_llama: TinyModel, torch_threads: None,
 ) -> None:
+    assert kernels.load(), "the native kernels did not build here (see the warning logged)"
     engine = LLMEngine.from_engine_dir(tiny_llama.engine_dir, num_kv_blocks=16, cpu_threads=1)
     model = engine.runner.model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
@@ -134,12 +138,7 @@ def test_one_thread_engines_compute_projections_natively_and_match_hf(
     assert all(m.native is not None and m.packed is None and m.plain is None
                and m.weight.numel() == 0 for m in linears)
     before = engine.stats()
-    batch = prompts(3)
-    seqs = [engine.add_request(f"s{i}", p, SamplingParams(max_tokens=6))
-            for i, p in enumerate(batch)]
-    while engine.has_unfinished:
-        engine.step()
-    assert [s.output_ids for s in seqs] == [tiny_llama.greedy(p, 6) for p in batch]
+    assert_greedy_matches_hf(engine, tiny_llama)
     after = engine.stats()  # the kernels' work shows in the stats the metrics publish
     assert after.kernel_chunks > before.kernel_chunks
     assert 0 <= after.helper_chunks - before.helper_chunks <= after.kernel_chunks
