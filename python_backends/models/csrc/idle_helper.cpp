@@ -1,6 +1,8 @@
 // See idle_helper.h.
 #include "idle_helper.h"
 
+#include <torch/library.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstring>
@@ -245,3 +247,19 @@ bool set_helper_enabled(bool enabled) { return g_enabled.exchange(enabled); }
 HelperStats helper_stats() { return {g_chunks.load(), g_helped.load(), g_taken_back.load()}; }
 
 }  // namespace llm
+
+namespace {
+
+bool set_idle_helper(bool enabled) { return llm::set_helper_enabled(enabled); }
+
+std::vector<int64_t> idle_helper_stats() {
+  const llm::HelperStats s = llm::helper_stats();
+  return {s.chunks, s.helped, s.taken_back};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(llm_kernels, m) {
+  m.def("set_idle_helper(bool enabled) -> bool", &set_idle_helper);
+  m.def("idle_helper_stats() -> int[]", &idle_helper_stats);
+}

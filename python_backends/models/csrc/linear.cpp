@@ -13,15 +13,15 @@
 #include <algorithm>
 #include <cstring>
 #include <utility>
-#include <vector>
 
 #include "idle_helper.h"
 #include "vec.h"
 
 namespace {
 
+using llm::load;
+using llm::store;
 using llm::vec;
-using llm::vec_u;
 using llm::VL;
 constexpr int64_t NR = 2 * VL;  // output features per panel
 constexpr int64_t MR = VL == 16 ? 12 : 6;  // tokens per tile: 2 MR accumulators + 2 in registers
@@ -35,8 +35,8 @@ inline void tile(const float* x, int64_t K, const float* panel, float* dst, int6
   for (int64_t k = 0; k < K; ++k) {
     __builtin_prefetch(panel + (k + kAhead) * NR);
     __builtin_prefetch(panel + (k + kAhead) * NR + VL);
-    const vec w0 = *reinterpret_cast<const vec_u*>(panel + k * NR);
-    const vec w1 = *reinterpret_cast<const vec_u*>(panel + k * NR + VL);
+    const vec w0 = load(panel + k * NR);
+    const vec w1 = load(panel + k * NR + VL);
     for (int64_t r = 0; r < R; ++r) {
       const float xv = x[r * K + k];
       acc[r][0] += xv * w0;
@@ -45,8 +45,8 @@ inline void tile(const float* x, int64_t K, const float* panel, float* dst, int6
   }
   for (int64_t r = 0; r < R; ++r) {
     if (cols == NR) {
-      *reinterpret_cast<vec_u*>(dst + r * ld) = acc[r][0];
-      *reinterpret_cast<vec_u*>(dst + r * ld + VL) = acc[r][1];
+      store(dst + r * ld, acc[r][0]);
+      store(dst + r * ld + VL, acc[r][1]);
     } else {
       float row[NR];
       std::memcpy(row, &acc[r][0], sizeof(vec));
@@ -127,18 +127,9 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n) {
   return out;
 }
 
-bool set_idle_helper(bool enabled) { return llm::set_helper_enabled(enabled); }
-
-std::vector<int64_t> idle_helper_stats() {
-  const llm::HelperStats s = llm::helper_stats();
-  return {s.chunks, s.helped, s.taken_back};
-}
-
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llm_kernels, m) {
   m.def("pack_linear_weight(Tensor weight) -> Tensor", &pack_linear_weight);
   m.def("linear(Tensor x, Tensor packed, int out_features) -> Tensor", &linear);
-  m.def("set_idle_helper(bool enabled) -> bool", &set_idle_helper);
-  m.def("idle_helper_stats() -> int[]", &idle_helper_stats);
 }

@@ -33,19 +33,39 @@ inline void prefetch_row(const T* row, int64_t n) {
   for (int64_t c = 0; c < n * static_cast<int64_t>(sizeof(T)); c += 64) __builtin_prefetch(p + c);
 }
 
+// One sequence's working memory, per thread (the caller's and the idle helper's): the scaled
+// query, the scores (then their exps), the weighted values, and each head's maximum and total.
+struct Scratch {
+  std::vector<float> qf, scores, acc, top, total;
+
+  template <typename T>
+  void start(const T* q, int64_t H, int64_t D, int64_t n, float scale) {
+    qf.resize(H * D);
+    scores.resize(H * n);
+    acc.assign(H * D, 0.f);
+    top.assign(H, -std::numeric_limits<float>::infinity());
+    total.resize(H);
+    for (int64_t i = 0; i < H * D; ++i) qf[i] = static_cast<float>(q[i]) * scale;
+  }
+
+  template <typename T>
+  void finish(T* o, int64_t H, int64_t D) const {
+    for (int64_t h = 0; h < H; ++h) {
+      const float inv = 1.f / total[h];
+      for (int64_t d = 0; d < D; ++d) o[h * D + d] = static_cast<T>(acc[h * D + d] * inv);
+    }
+  }
+};
+thread_local Scratch tls;
+
 // One sequence's query q [H, D] over its n context slots `row` into o [H, D]. Query head h
 // reads KV head h / (H / K), as Hugging Face's repeat_kv lays them out.
 template <typename T>
 void decode_one(const T* q, const T* keys, const T* values, const int64_t* row, int64_t n, T* o,
                 int64_t H, int64_t K, int64_t D, float scale) {
   const int64_t G = H / K, KD = K * D;
-  thread_local std::vector<float> qf, scores, acc, top, total;  // the caller's and the helper's
-  qf.resize(H * D);
-  scores.resize(H * n);
-  acc.assign(H * D, 0.f);
-  top.assign(H, -std::numeric_limits<float>::infinity());
-  total.resize(H);
-  for (int64_t i = 0; i < H * D; ++i) qf[i] = static_cast<float>(q[i]) * scale;
+  tls.start(q, H, D, n, scale);
+  auto& [qf, scores, acc, top, total] = tls;
   for (int64_t t = 0; t < n; ++t) {
     if (t + 2 < n) prefetch_row(keys + row[t + 2] * KD, KD);
     const T* k = keys + row[t] * KD;
@@ -79,10 +99,7 @@ void decode_one(const T* q, const T* keys, const T* values, const int64_t* row, 
       for (int64_t d = 0; d < D; ++d) a[d] += p * static_cast<float>(vh[d]);
     }
   }
-  for (int64_t h = 0; h < H; ++h) {
-    const float inv = 1.f / total[h];
-    for (int64_t d = 0; d < D; ++d) o[h * D + d] = static_cast<T>(acc[h * D + d] * inv);
-  }
+  tls.finish(o, H, D);
 }
 
 // decode_one for float32 caches whose head size is a multiple of the vector width (vec.h): the
@@ -95,13 +112,8 @@ void decode_one_f32(const float* q, const float* keys, const float* values, cons
   using llm::vec;
   using llm::VL;
   const int64_t G = H / K, KD = K * D;
-  thread_local std::vector<float> qf, scores, acc, top, total;
-  qf.resize(H * D);
-  scores.resize(H * n);
-  acc.assign(H * D, 0.f);
-  top.assign(H, -std::numeric_limits<float>::infinity());
-  total.resize(H);
-  for (int64_t i = 0; i < H * D; ++i) qf[i] = q[i] * scale;
+  tls.start(q, H, D, n, scale);
+  auto& [qf, scores, acc, top, total] = tls;
   for (int64_t g = 0; g < K; ++g) {
     for (int64_t t = 0; t < n; ++t) {
       if (g == 0 && t + 8 < n) prefetch_row(keys + row[t + 8] * KD, KD);
@@ -150,10 +162,7 @@ void decode_one_f32(const float* q, const float* keys, const float* values, cons
       }
     }
   }
-  for (int64_t h = 0; h < H; ++h) {
-    const float inv = 1.f / total[h];
-    for (int64_t d = 0; d < D; ++d) o[h * D + d] = acc[h * D + d] * inv;
-  }
+  tls.finish(o, H, D);
 }
 
 template <typename T>
