@@ -15,7 +15,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from python_backends import procfs
-from python_backends.client import Metrics, metric_sum, scrape
+from python_backends.client import Metrics, metric_delta, scrape
 from python_backends.watchdog import stub_of
 
 STEP_PHASES_METRIC = "llm_engine_step_seconds_total"
@@ -77,17 +77,14 @@ def breakdown(before: Snapshot, after: Snapshot, tokens: int, wall_s: float) -> 
         model, phase = want["model"], want["phase"]
         if phase in phases[model]:
             continue
-        delta = (metric_sum(after.metrics, STEP_PHASES_METRIC, model=model, phase=phase)
-                 - metric_sum(before.metrics, STEP_PHASES_METRIC, model=model, phase=phase))
-        phases[model][phase] = delta * per_token
+        phases[model][phase] = metric_delta(before.metrics, after.metrics, STEP_PHASES_METRIC,
+                                            model=model, phase=phase) * per_token
     busy = {m: p for m, p in phases.items() if sum(p.values()) > 0}
     share = {}
     for model in busy:
-        chunks, helped = (
-            metric_sum(after.metrics, name, model=model) - metric_sum(before.metrics, name,
-                                                                      model=model)
-            for name in (KERNEL_CHUNKS_METRIC, HELPER_CHUNKS_METRIC))
+        chunks = metric_delta(before.metrics, after.metrics, KERNEL_CHUNKS_METRIC, model=model)
         if chunks > 0:
+            helped = metric_delta(before.metrics, after.metrics, HELPER_CHUNKS_METRIC, model=model)
             share[model] = helped / chunks
     return Breakdown(tokens, wall_s, dict(cpu), busy, share)
 

@@ -101,22 +101,17 @@ def _build_and_load(directory: Path) -> None:
         log.warning("kernels compiled in %.0f s", time.monotonic() - start)
 
 
-_loaded = False
-
-
 @functools.cache
 def load() -> bool:
     """Load (building first if needed) the kernels into this process; False, with one logged
     reason, when they are off or cannot be built."""
     if not enabled():
         return False
-    global _loaded
     try:
         _build_and_load(build_dir())
     except Exception as e:  # no compiler, no headers, a failed build: the torch ops remain
         log.warning("engine CPU kernels unavailable, using torch ops: %s", str(e).strip()[-500:])
         return False
-    _loaded = True
     return True
 
 
@@ -131,8 +126,9 @@ class HelperStats:
 
 
 def helper_stats() -> HelperStats:
-    """This process's figures; zeros where the kernels were never loaded."""
-    if not _loaded:
+    """This process's figures; zeros where the kernels were never loaded (this never loads
+    them: a GPU engine's stats must not compile CPU kernels)."""
+    if load.cache_info().currsize == 0 or not load():
         return HelperStats()
     return HelperStats(*torch.ops.llm_kernels.idle_helper_stats())
 
