@@ -8,6 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from python_backends.config import SUPPORTED_DTYPES, EngineConfig, EngineConfigError
+from python_backends.host_memory import trim_heap
 from python_backends.kv_transfer.layout import KVLayout
 from python_backends.models.llama import LlamaForCausalLM
 from python_backends.parallel.context import ParallelContext
@@ -69,6 +70,7 @@ def load_model(
         model.quantize_linears()
     else:
         model.pack_linears()
+    trim_heap()
     return model
 
 def kv_layout(config: EngineConfig, num_kv_blocks: int, rank: int = 0,

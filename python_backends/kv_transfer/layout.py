@@ -8,8 +8,6 @@ consecutive blocks merge into longer ranges.
 
 from __future__ import annotations
 
-import contextlib
-import mmap
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -77,35 +75,26 @@ class KVLayout:
         return cls(**d)
 
 
-HUGE_PAGE = 2 << 20
-
-
 def allocate_pool(layout: KVLayout, buffer: Any = None,
                   device: torch.device | None = None) -> torch.Tensor:
     """A zeroed pool tensor: on `device` when that is not the CPU (one allocation there), else
-    in `buffer` (a writable buffer of `layout.nbytes`) if given, else
-    in anonymous memory backed by transparent huge pages where the kernel allows: pulls over
-    NIXL (UCX's cross-process copy) ran 2-3x faster from and into huge pages, and attention's
-    gathers miss the TLB less."""
+    in `buffer` (a writable buffer of `layout.nbytes`) if given, else in anonymous memory on
+    transparent huge pages where the kernel allows (host_memory): pulls over NIXL (UCX's
+    cross-process copy) ran 2-3x faster from and into huge pages, and attention's gathers miss
+    the TLB less."""
     import torch
+
+    from python_backends.host_memory import huge_page_empty
 
     if device is not None and device.type != "cpu":
         if buffer is not None:
             raise ValueError(f"a KV pool on {device} cannot live in a host buffer")
         return torch.zeros(layout.shape, dtype=layout.torch_dtype, device=device)
-    offset = 0
-    anonymous = buffer is None
-    if anonymous:
-        # Private: shared anonymous memory is shmem, which gets no huge pages here.
-        buffer = mmap.mmap(-1, layout.nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE)
-        with contextlib.suppress(AttributeError, OSError):
-            buffer.madvise(mmap.MADV_HUGEPAGE)
-        base = torch.frombuffer(buffer, dtype=torch.uint8, count=1).data_ptr()
-        offset = -base % HUGE_PAGE  # huge pages map only 2 MiB-aligned ranges
-    flat = torch.frombuffer(buffer, dtype=layout.torch_dtype,
-                            count=layout.nbytes // layout.torch_dtype.itemsize, offset=offset)
-    if anonymous:
-        flat.zero_()  # fault every page in now: a pull into untouched pages ran 5-10x slower
+    numel = layout.nbytes // layout.torch_dtype.itemsize
+    if buffer is not None:
+        return torch.frombuffer(buffer, dtype=layout.torch_dtype, count=numel).view(layout.shape)
+    flat = huge_page_empty(numel, layout.torch_dtype)
+    flat.zero_()  # fault every page in now: a pull into untouched pages ran 5-10x slower
     return flat.view(layout.shape)
 
 

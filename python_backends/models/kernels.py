@@ -138,12 +138,30 @@ def paged_decode_attention() -> Any | None:
     return torch.ops.llm_kernels.paged_decode_attention if load() else None
 
 
-def native_linear() -> tuple[Callable[[torch.Tensor], torch.Tensor], Any] | None:
-    """(pack_linear_weight, linear): the float32 projection kernel, computed by the calling
-    thread and an idle-CPU helper (csrc/idle_helper.h), or None (see `load`)."""
+@dataclass(frozen=True)
+class NativeLinear:
+    """The float32 projection kernel: `op(x [T, k], packed, n)` computes x W^T on the calling
+    thread and an idle-CPU helper (csrc/idle_helper.h), from a weight W [n, k] that `pack` has
+    laid out in panels of `panel` output features (`packed_shape(n, k)`)."""
+
+    panel: int
+    op: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+
+    def packed_shape(self, n: int, k: int) -> tuple[int, int, int]:
+        return (-(-n // self.panel), k, self.panel)
+
+    def pack(self, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The packed weight; in `out` (any float32 tensor of as many elements) if given."""
+        packed = torch.ops.llm_kernels.pack_linear_weight(weight)
+        return packed if out is None else out.view(packed.shape).copy_(packed)
+
+
+def native_linear() -> NativeLinear | None:
+    """The float32 projection kernel, or None (see `load`)."""
     if not load():
         return None
-    return torch.ops.llm_kernels.pack_linear_weight, torch.ops.llm_kernels.linear
+    panel = torch.ops.llm_kernels.pack_linear_weight(torch.zeros(1, 1)).shape[-1]
+    return NativeLinear(panel, torch.ops.llm_kernels.linear)
 
 
 @contextlib.contextmanager

@@ -16,6 +16,8 @@ V vocabulary.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import logging
 import math
 
@@ -24,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from python_backends.config import ModelConfig, RopeScaling
+from python_backends.host_memory import huge_page_empty
 from python_backends.models import kernels
 from python_backends.models.attention import AttentionMetadata, paged_attention, write_kv
 from python_backends.parallel.context import ParallelContext
@@ -244,10 +247,15 @@ class LlamaForCausalLM(nn.Module):
         on_cpu = bool(linears) and all(m.weight.device.type == "cpu" for m in linears)
         if native is None:
             native = torch.get_num_threads() == 1
-        ops = kernels.native_linear() if native and float32 and on_cpu else None
-        if ops is not None:
-            for m in linears:
-                m.pack_native(*ops)
+        kernel = kernels.native_linear() if native and float32 and on_cpu else None
+        if kernel is not None:
+            # One huge-page mapping for all of them, in the order a step reads them.
+            numels = [math.prod(kernel.packed_shape(*m.weight.shape)) for m in linears]
+            arena = huge_page_empty(sum(numels), torch.float32)
+            for m, start, numel in zip(linears, itertools.accumulate([0, *numels]), numels,
+                                       strict=False):
+                m.pack_native(functools.partial(kernel.pack, out=arena[start:start + numel]),
+                              kernel.op)
             self.native_linears = True
             log.info("projections: native float32 kernel on the engine thread and an idle-CPU "
                      "helper")

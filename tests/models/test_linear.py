@@ -148,3 +148,16 @@ def test_strided_inputs_are_read_correctly(ops):
     x = torch.randn(64, 6).T  # [6, 64], not contiguous
     torch.testing.assert_close(ops.linear(x, ops.pack_linear_weight(w), 96), x @ w.T,
                                rtol=1e-5, atol=1e-5)
+
+
+def test_packs_into_memory_the_caller_gives(ops):
+    kernel = kernels.native_linear()
+    assert kernel is not None
+    w = torch.randn(100, 64)
+    shape = kernel.packed_shape(100, 64)
+    assert shape[0] * shape[2] >= 100 > (shape[0] - 1) * shape[2] and shape[1] == 64
+    arena = torch.full((3 + shape[0] * 64 * shape[2] + 3,), -1.0)
+    packed = kernel.pack(w, out=arena[3:-3])
+    assert packed.data_ptr() == arena[3:].data_ptr() and packed.shape == shape
+    assert (arena[:3] == -1).all() and (arena[-3:] == -1).all()
+    torch.testing.assert_close(kernel.op(torch.eye(64), packed, 100), w.T)

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from python_backends.engine.llm_engine import LLMEngine
+from python_backends.host_memory import HUGE_PAGE
 from python_backends.models import kernels
 from python_backends.models.llama import LlamaForCausalLM
 from python_backends.parallel import layers
@@ -137,6 +138,11 @@ def test_one_thread_engines_compute_projections_natively_and_match_hf(
     assert model.native_linears
     assert all(m.native is not None and m.packed is None and m.plain is None
                and m.weight.numel() == 0 for m in linears)
+    # All in one huge-page mapping, in the order a step reads them.
+    starts = [m.native.data_ptr() for m in linears if m.native is not None]
+    assert starts == sorted(starts) and starts[0] % HUGE_PAGE == 0
+    assert len({m.native.untyped_storage().data_ptr() for m in linears
+                if m.native is not None}) == 1
     before = engine.stats()
     assert_greedy_matches_hf(engine, tiny_llama)
     after = engine.stats()  # the kernels' work shows in the stats the metrics publish
