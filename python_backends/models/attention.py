@@ -112,6 +112,8 @@ def paged_attention(
 
     q: [T, H, D]; k, v: [T, K, D] (already written to `cache`). Returns [T, H, D].
     """
+    if meta.decode is not None and not meta.prefills:  # every token a decode, in step order
+        return decode_attention(q, cache, meta.decode, scale)
     out = torch.empty_like(q)
     for span in meta.prefills:
         n = span.end - span.start

@@ -138,6 +138,15 @@ def paged_decode_attention() -> Any | None:
     return torch.ops.llm_kernels.paged_decode_attention if load() else None
 
 
+def layer_ops(x: torch.Tensor) -> Any | None:
+    """torch.ops.llm_kernels, whose rms_norm, add_rms_norm, rope_write_kv and silu_mul compute
+    the float32 work between a layer's projections (csrc/layer_ops.cpp), where `x` is a float32
+    CPU tensor and the kernels load; else None."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or not load():
+        return None
+    return torch.ops.llm_kernels
+
+
 @dataclass(frozen=True)
 class NativeLinear:
     """The float32 projection kernel: `op(x [T, k], packed, n)` computes x W^T on the calling

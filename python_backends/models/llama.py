@@ -51,12 +51,25 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # One fused kernel; in float32 it rounds exactly like Hugging Face's four-op version.
+        if (ops := kernels.layer_ops(x)) is not None:
+            return ops.rms_norm(x.contiguous(), self.weight, self.eps)
+        # In float32 this rounds exactly like Hugging Face's four-op version.
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         y = x.float()
         y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * y.to(x.dtype)
+
+    def add_norm(self, x: torch.Tensor, delta: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, its norm): the residual stream with a layer's output added, and the
+        next layer's input; `delta` None adds nothing."""
+        if delta is None:
+            return x, self(x)
+        if (ops := kernels.layer_ops(x)) is not None:
+            return ops.add_rms_norm(x.contiguous(), delta.contiguous(), self.weight, self.eps)
+        x = x + delta
+        return x, self(x)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
@@ -128,11 +141,16 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rotary: Rotary, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(t, self.num_heads, self.head_dim), rotary)  # [T, H, D]
-        k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), rotary)  # [T, K, D]
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        write_kv(self.kv_cache, k, v, meta.slot_mapping)
+        qkv = self.qkv_proj(x)
+        v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
+        if (ops := kernels.layer_ops(qkv)) is not None and self.kv_cache.is_contiguous():
+            q, k = ops.rope_write_kv(qkv, *rotary, self.kv_cache, meta.slot_mapping,
+                                     self.num_heads, self.num_kv_heads)
+        else:
+            q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = apply_rotary(q.view(t, self.num_heads, self.head_dim), rotary)  # [T, H, D]
+            k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), rotary)  # [T, K, D]
+            write_kv(self.kv_cache, k, v, meta.slot_mapping)
         o = paged_attention(q, k, v, self.kv_cache, meta, self.scale)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
@@ -145,7 +163,10 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, ctx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if (ops := kernels.layer_ops(gate_up)) is not None and gate_up.dim() == 2:
+            return self.down_proj(ops.silu_mul(gate_up.contiguous()))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -157,9 +178,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MoE(cfg, ctx) if cfg.num_experts else MLP(cfg, ctx)
 
-    def forward(self, x: torch.Tensor, rotary: Rotary, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rotary, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, delta: torch.Tensor | None, rotary: Rotary,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the residual stream; delta: what the layer before adds to it (None: nothing).
+        Returns the same pair for the next layer: each residual add joins the norm after it."""
+        x, h = self.input_layernorm.add_norm(x, delta)
+        x, h = self.post_attention_layernorm.add_norm(x, self.self_attn(h, rotary, meta))
+        return x, self.mlp(h)
 
 
 class LlamaModel(nn.Module):
@@ -183,9 +208,12 @@ class LlamaModel(nn.Module):
         if self.embed_tokens is not None:
             x = self.embed_tokens(x)  # [T, E]
         rotary = self.rotary_emb(meta.positions, x.dtype)
+        delta = None
         for layer in self.layers:
-            x = layer(x, rotary, meta)
-        return self.norm(x) if self.norm is not None else x
+            x, delta = layer(x, delta, rotary, meta)
+        if self.norm is not None:
+            return self.norm.add_norm(x, delta)[1]
+        return x if delta is None else x + delta
 
 
 class LlamaForCausalLM(nn.Module):

@@ -90,6 +90,7 @@ def test_an_engine_keeps_plain_weights_as_measured_and_matches_hf(
 
     monkeypatch.setattr(llama, "plain_reads_faster", lambda _l: (plain_wins, 1.0, 1.0))
     monkeypatch.setattr(llama.kernels, "native_linear", lambda: None)  # oneDNN's path
+    monkeypatch.setattr(llama.kernels, "layer_ops", lambda _x: None)  # and torch's glue
     engine = tiny_llama.engine()
     model = engine.runner.model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
@@ -144,7 +145,11 @@ def test_one_thread_engines_compute_projections_natively_and_match_hf(
     assert len({m.native.untyped_storage().data_ptr() for m in linears
                 if m.native is not None}) == 1
     before = engine.stats()
-    assert_greedy_matches_hf(engine, tiny_llama)
+    with torch.profiler.profile() as profile:
+        assert_greedy_matches_hf(engine, tiny_llama)
+    ran = {event.key for event in profile.key_averages()}
+    glue = {f"llm_kernels::{op}" for op in ("add_rms_norm", "rope_write_kv", "silu_mul")}
+    assert glue <= ran and "aten::index_copy_" not in ran  # the layers' glue ran natively too
     after = engine.stats()  # the kernels' work shows in the stats the metrics publish
     assert after.kernel_chunks > before.kernel_chunks
     assert 0 <= after.helper_chunks - before.helper_chunks <= after.kernel_chunks
