@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,9 +31,16 @@ def helper(ops):
 
 
 # (rows, in_features, out_features): one token to prompt-sized, output features that fill no
-# whole panel, that leave a partial last panel, and many panels (the work splits into chunks).
+# whole panel, that leave a partial last panel, and many panels (the work splits into chunks);
+# from AMX_ROWS rows on AMX tiles where the CPU has them: row counts that fill no whole tile
+# pair, and in_features that fill no whole tile.
+AMX_ROWS = 48
 SHAPES = [(1, 64, 96), (5, 64, 7), (12, 576, 960), (13, 1536, 576), (40, 576, 4099),
-          (1, 576, 49152)]
+          (1, 576, 49152), (AMX_ROWS, 576, 960), (65, 100, 70), (130, 1536, 576),
+          (200, 40, 33)]
+CPU_FLAGS = next((line.split(":", 1)[1].split()
+                  for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("flags")), [])
 
 
 @pytest.mark.parametrize(("rows", "k", "n"), SHAPES)
@@ -45,12 +53,17 @@ def test_matches_float64(ops, helper, rows, k, n):
     torch.testing.assert_close(y.double(), x.double() @ w.double().T, rtol=0, atol=2e-5)
 
 
-def test_results_do_not_depend_on_who_computed_them(ops, helper):
+def test_prompt_sized_calls_compute_on_amx_where_the_cpu_has_it(ops):
+    assert ops.linear_amx() == ("amx_bf16" in CPU_FLAGS and "avx512_bf16" in CPU_FLAGS)
+
+
+@pytest.mark.parametrize("rows", [9, AMX_ROWS + 3])
+def test_results_do_not_depend_on_who_computed_them(ops, helper, rows):
     """Chunks are computed by the caller or the helper with the same code: bit for bit equal,
     with the helper on, off, and whatever share it happened to take."""
     g = torch.Generator().manual_seed(0)
     w = ops.pack_linear_weight(torch.randn(3000, 576, generator=g))
-    x = torch.randn(9, 576, generator=g)
+    x = torch.randn(rows, 576, generator=g)
     ops.set_idle_helper(False)
     alone = ops.linear(x, w, 3000)
     ops.set_idle_helper(True)
@@ -85,13 +98,15 @@ FORKED = """
 import os, sys, torch
 from python_backends.models import kernels
 assert kernels.load()
+torch.set_num_threads(1)  # as engines do: OpenMP's threads do not survive a fork
 ops = torch.ops.llm_kernels
 w = ops.pack_linear_weight(torch.randn(8192, 576))
-x = torch.randn(2, 576)
-want = ops.linear(x, w, 8192)  # the parent's helper is running now
+xs = [torch.randn(2, 576), torch.randn(64, 576)]  # on AMX tiles too, where the CPU has them
+want = [ops.linear(x, w, 8192) for x in xs]  # the parent's helper is running now
 pid = os.fork()
 if pid == 0:
-    ok = all(torch.equal(ops.linear(x, w, 8192), want) for _ in range(50))
+    ok = all(torch.equal(ops.linear(x, w, 8192), y) for _ in range(25)
+             for x, y in zip(xs, want))
     os._exit(0 if ok else 3)
 _, status = os.waitpid(pid, 0)
 print("child", os.waitstatus_to_exitcode(status))

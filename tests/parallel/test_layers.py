@@ -73,8 +73,9 @@ def test_the_choice_times_both_kernels_in_turn(monkeypatch: pytest.MonkeyPatch) 
     assert order == [True, False] * 4
 
 
-def assert_greedy_matches_hf(engine: LLMEngine, tiny_llama: TinyModel) -> None:
-    batch = prompts(3)
+def assert_greedy_matches_hf(engine: LLMEngine, tiny_llama: TinyModel,
+                             batch: list[list[int]] | None = None) -> None:
+    batch = batch or prompts(3)
     seqs = [engine.add_request(f"s{i}", p, SamplingParams(max_tokens=6))
             for i, p in enumerate(batch)]
     while engine.has_unfinished:
@@ -133,7 +134,7 @@ def test_one_thread_engines_compute_projections_natively_and_match_hf(
     tiny_llama: TinyModel, torch_threads: None,
 ) -> None:
     assert kernels.load(), "the native kernels did not build here (see the warning logged)"
-    engine = LLMEngine.from_engine_dir(tiny_llama.engine_dir, num_kv_blocks=16, cpu_threads=1)
+    engine = LLMEngine.from_engine_dir(tiny_llama.engine_dir, num_kv_blocks=128, cpu_threads=1)
     model = engine.runner.model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert model.native_linears
@@ -147,6 +148,8 @@ def test_one_thread_engines_compute_projections_natively_and_match_hf(
     before = engine.stats()
     with torch.profiler.profile() as profile:
         assert_greedy_matches_hf(engine, tiny_llama)
+    # Prompts of 50 tokens and more: on AMX tiles where the CPU has them (test_linear.py).
+    assert_greedy_matches_hf(engine, tiny_llama, prompts(3, lo=50, hi=90))
     ran = {event.key for event in profile.key_averages()}
     glue = {f"llm_kernels::{op}" for op in ("add_rms_norm", "rope_write_kv", "silu_mul")}
     assert glue <= ran and "aten::index_copy_" not in ran  # the layers' glue ran natively too

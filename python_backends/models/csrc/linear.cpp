@@ -12,8 +12,11 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <utility>
+#include <vector>
 
+#include "amx.h"
 #include "idle_helper.h"
 #include "vec.h"
 
@@ -77,11 +80,24 @@ void panels(const float* x, int64_t T, int64_t K, const float* packed, int64_t n
 
 // How many panels one chunk of work holds: about kChunkSeconds of it, by the time a panel takes
 // to stream from memory or to compute, whichever is longer (rough rates of one core).
-int64_t panels_per_chunk(int64_t T, int64_t K) {
-  constexpr double kChunkSeconds = 25e-6, kBytesPerS = 12e9, kFlopsPerS = 100e9;
+int64_t panels_per_chunk(int64_t T, int64_t K, double flops_per_s) {
+  constexpr double kChunkSeconds = 25e-6, kBytesPerS = 12e9;
   const double read = static_cast<double>(K * NR * sizeof(float)) / kBytesPerS;
-  const double arithmetic = 2.0 * static_cast<double>(T * K * NR) / kFlopsPerS;
+  const double arithmetic = 2.0 * static_cast<double>(T * K * NR) / flops_per_s;
   return std::max<int64_t>(1, static_cast<int64_t>(kChunkSeconds / std::max(read, arithmetic)));
+}
+
+// From this many tokens a call computes on AMX tiles (amx.h), where the CPU has them.
+constexpr int64_t kAmxRows = 48;
+
+// Whether calls of kAmxRows tokens or more compute on AMX tiles here (built for a CPU with AMX,
+// and the kernel granted this process the tiles' state).
+bool linear_amx() {
+#ifdef LLM_AMX
+  return NR == 32 && llm::amx::available();
+#else
+  return false;
+#endif
 }
 
 at::Tensor pack_linear_weight(const at::Tensor& weight) {
@@ -109,8 +125,34 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n) {
   const float* xp = x.const_data_ptr<float>();
   const float* wp = packed.const_data_ptr<float>();
   float* op = out.mutable_data_ptr<float>();
-  const int64_t per = panels_per_chunk(T, K);
   llm::Job job;
+  job.keep = {x, packed, out};
+  std::function<void(int64_t, int64_t, float*, int64_t)> compute = [=](int64_t p0, int64_t p1,
+                                                                       float* dst, int64_t ld) {
+    panels(xp, T, K, wp, n, p0, p1, dst, ld);
+  };
+  double flops_per_s = 100e9;
+#ifdef LLM_AMX
+  if (T >= kAmxRows && linear_amx()) {
+    const int64_t Tp = (T + 15) / 16 * 16, Kp = (K + 31) / 32 * 32;
+    at::Tensor pieces = at::empty({llm::amx::kPieces, Tp, Kp}, x.options().dtype(at::kShort));
+    auto* a = reinterpret_cast<uint16_t*>(pieces.mutable_data_ptr<int16_t>());
+    llm::amx::split_rows(xp, T, K, a, Tp, Kp);
+    job.keep.push_back(pieces);
+    flops_per_s = 6 * 150e9;  // six bfloat16 products for each float32 one
+    compute = [=](int64_t p0, int64_t p1, float* dst, int64_t ld) {
+      llm::amx::configure_thread();
+      thread_local std::vector<uint16_t> b;
+      b.resize(llm::amx::kPieces * 2 * Kp * 16);
+      for (int64_t p = p0; p < p1; ++p) {
+        llm::amx::split_panel(wp + p * K * NR, K, Kp, b.data());
+        llm::amx::panel_product(a, T, Tp, Kp, b.data(), dst + (p - p0) * NR, ld,
+                                std::min(NR, n - p * NR));
+      }
+    };
+  }
+#endif
+  const int64_t per = panels_per_chunk(T, K, flops_per_s);
   job.chunks = (P + per - 1) / per;
   constexpr int64_t F = sizeof(float);
   job.place = [=](int64_t c) {
@@ -119,10 +161,8 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n) {
                       (std::min(n, p1 * NR) - p0 * NR) * F};
   };
   job.compute = [=](int64_t c, char* dst, int64_t ld) {
-    panels(xp, T, K, wp, n, c * per, std::min(P, (c + 1) * per), reinterpret_cast<float*>(dst),
-           ld / F);
+    compute(c * per, std::min(P, (c + 1) * per), reinterpret_cast<float*>(dst), ld / F);
   };
-  job.keep = {x, packed, out};
   llm::run(std::move(job));
   return out;
 }
@@ -130,6 +170,7 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n) {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llm_kernels, m) {
+  m.def("linear_amx() -> bool", &linear_amx);
   m.def("pack_linear_weight(Tensor weight) -> Tensor", &pack_linear_weight);
   m.def("linear(Tensor x, Tensor packed, int out_features) -> Tensor", &linear);
 }

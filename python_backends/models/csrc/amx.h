@@ -1,0 +1,175 @@
+// float32 matrix products on AMX tiles, to float32 precision (CPUs with AMX-BF16: Intel Xeon
+// from Sapphire Rapids on).
+//
+// AMX multiplies bfloat16 (8 significant bits) into float32 sums at several times the float32
+// FMA rate of AVX-512 (3.2 TFLOP/s a core here against ~150 GFLOP/s). A float32 value splits
+// into three bfloat16 pieces, a = a0 + a1 + a2 (each the top 8 significant bits of what the ones
+// before left: 24 bits, all of a float32's), so
+//   a * b = a0 b0 + (a0 b1 + a1 b0) + (a0 b2 + a1 b1 + a2 b0) + [a1 b2 + a2 b1 + a2 b2]
+// where the bracket is below 2^-23 of |a b|: float32's own rounding. Six bfloat16 products per
+// float32 product, each exact in float32, summed in float32 by the tiles: the same precision as
+// the AVX-512 kernel (tests/models/test_linear.py holds both to float64 references). Every
+// projection of the default model on one core: 128 tokens 251 -> 173 ms, 512 tokens 935 -> 634.
+// Below 48 tokens (linear.cpp's kAmxRows) calls stay on the AVX-512 kernel: they are bound by
+// reading the weights, which the split does not shorten, and splitting them costs as much as the
+// products.
+//
+// The weights stay float32 (linear.cpp's panels); each chunk splits its panels into a small
+// scratch that stays in L2 while every row tile passes over it. Tile loads from L2 bound the
+// products at about a third of the tiles' peak (oneDNN's bfloat16 GEMM reaches ~1.2 of 3.2
+// TFLOP/s here too).
+#pragma once
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define LLM_AMX 1
+
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace llm::amx {
+
+constexpr int64_t KT = 32;  // k per tile row: 16 pairs of bfloat16 (64 bytes)
+constexpr int64_t RT = 16;  // rows per tile
+constexpr int kPieces = 3;
+// The six products kept pair x piece pa with w piece pb where pa + pb < 3.
+
+// Linux gives a process AMX state only on request (arch_prctl, once per process; a fork
+// inherits it). False where refused (an old kernel, or a signal stack too small for the state).
+inline bool available() {
+  static const bool ok = [] {
+    constexpr int kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+// Every tile 16 rows of 64 bytes; loaded once per thread (the kernel saves it with the thread).
+inline void configure_thread() {
+  thread_local bool configured = false;
+  if (configured) return;
+  struct alignas(64) {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+  } config;
+  for (int t = 0; t < 8; ++t) {
+    config.colsb[t] = 64;
+    config.rows[t] = RT;
+  }
+  _tile_loadconfig(&config);
+  configured = true;
+}
+
+// The pieces of 16 floats, each with its low 16 bits zero (a bfloat16 in the high half).
+inline void split(__m512 v, __m512 (&piece)[kPieces]) {
+  const __m512i top = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int p = 0; p < kPieces; ++p) {
+    piece[p] = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), top));
+    v = _mm512_sub_ps(v, piece[p]);  // exact: the bits below those just taken
+  }
+}
+
+// x [T, K] row-major -> pieces [3][Tp][Kp] bfloat16, rows padded to Tp (a multiple of 16) and
+// k to Kp (a multiple of 32) with zeros: the A operands of every tile product.
+inline void split_rows(const float* x, int64_t T, int64_t K, uint16_t* out, int64_t Tp,
+                       int64_t Kp) {
+  const int64_t plane = Tp * Kp;
+  for (int64_t t = 0; t < Tp; ++t) {
+    for (int64_t k = 0; k < Kp; k += KT) {
+      __m512 half[2][kPieces];
+      for (int h = 0; h < 2; ++h) {
+        const int64_t k0 = k + 16 * h;
+        const int64_t valid = t < T ? std::clamp<int64_t>(K - k0, 0, 16) : 0;
+        const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
+        split(_mm512_maskz_loadu_ps(mask, x + t * K + std::min(k0, K)), half[h]);
+      }
+      for (int p = 0; p < kPieces; ++p) {
+        const __m512bh both = _mm512_cvtne2ps_pbh(half[1][p], half[0][p]);  // exact
+        _mm512_storeu_si512(out + p * plane + t * Kp + k, reinterpret_cast<const __m512i&>(both));
+      }
+    }
+  }
+}
+
+// One panel of the packed weight ([K, 32] float32: 32 output features) -> pieces in the
+// layout AMX's B operand takes: [3][2 column tiles][Kp / 32][16 pairs of k][16 columns x 2].
+inline void split_panel(const float* panel, int64_t K, int64_t Kp, uint16_t* out) {
+  const int64_t per_piece = 2 * Kp * 16;  // uint16 per piece: 2 tiles of Kp x 16
+  const __m512i top = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t k = 0; k < Kp; k += 2) {
+    for (int g = 0; g < 2; ++g) {
+      __m512 even[kPieces], odd[kPieces];
+      split(k < K ? _mm512_loadu_ps(panel + k * 32 + 16 * g) : _mm512_setzero_ps(), even);
+      split(k + 1 < K ? _mm512_loadu_ps(panel + (k + 1) * 32 + 16 * g) : _mm512_setzero_ps(),
+            odd);
+      // pair r = k / 2 % 16 of k-tile k / 32: (even, odd) bfloat16 per column, 32 bits each.
+      uint16_t* row = out + g * (Kp * 16) + (k / KT) * (RT * 32) + (k / 2 % RT) * 32;
+      for (int p = 0; p < kPieces; ++p) {
+        const __m512i lo = _mm512_srli_epi32(_mm512_castps_si512(even[p]), 16);
+        const __m512i hi = _mm512_and_si512(_mm512_castps_si512(odd[p]), top);
+        _mm512_storeu_si512(row + p * per_piece, _mm512_or_si512(lo, hi));
+      }
+    }
+  }
+}
+
+// dst[0:T, 0:cols] = x . panel for one panel split by split_panel (b) against the row pieces
+// (a, from split_rows); dst's rows ld floats apart. Tiles: 4 accumulators (2 row tiles x 2
+// column tiles), 2 row operands, 2 column operands.
+inline void panel_product(const uint16_t* a, int64_t T, int64_t Tp, int64_t Kp,
+                          const uint16_t* b, float* dst, int64_t ld, int64_t cols) {
+  const int64_t plane = Tp * Kp, per_piece = 2 * Kp * 16, a_stride = Kp * 2;
+  alignas(64) float edge[2 * RT][32];
+  for (int64_t t = 0; t < Tp; t += 2 * RT) {
+    const bool two = t + RT < Tp;  // a second row tile (Tp is a multiple of 16)
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t kt = 0; kt < Kp / KT; ++kt) {
+      // Each x piece once, against the w pieces it pairs with: 18 tile loads for 24 products.
+      for (int pa = 0; pa < kPieces; ++pa) {
+        const uint16_t* ap = a + pa * plane + t * Kp + kt * KT;
+        _tile_loadd(4, ap, a_stride);
+        if (two) _tile_loadd(5, ap + RT * Kp, a_stride);
+        for (int pb = 0; pa + pb < kPieces; ++pb) {
+          const uint16_t* bp = b + pb * per_piece + kt * RT * 32;
+          _tile_loadd(6, bp, 64);
+          _tile_loadd(7, bp + Kp * 16, 64);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+          if (two) {
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+          }
+        }
+      }
+    }
+    const int64_t rows = std::min<int64_t>(two ? 2 * RT : RT, T - t);
+    if (rows == 2 * RT && cols == 32) {  // whole tiles straight into place
+      _tile_stored(0, dst + t * ld, ld * 4);
+      _tile_stored(1, dst + t * ld + 16, ld * 4);
+      _tile_stored(2, dst + (t + RT) * ld, ld * 4);
+      _tile_stored(3, dst + (t + RT) * ld + 16, ld * 4);
+      continue;
+    }
+    _tile_stored(0, &edge[0][0], 32 * 4);
+    _tile_stored(1, &edge[0][16], 32 * 4);
+    if (two) {
+      _tile_stored(2, &edge[RT][0], 32 * 4);
+      _tile_stored(3, &edge[RT][16], 32 * 4);
+    }
+    for (int64_t r = 0; r < rows; ++r)
+      std::memcpy(dst + (t + r) * ld, edge[r], cols * sizeof(float));
+  }
+}
+
+}  // namespace llm::amx
+
+#endif
