@@ -100,7 +100,8 @@ std::tuple<at::Tensor, at::Tensor> rope_write_kv(const at::Tensor& qkv, const at
   const int64_t T = qkv.size(0), D = cache.size(3), S = cache.size(1);
   TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (H + 2 * K) * D && D % 2 == 0,
               "rope_write_kv: qkv [T, ", (H + 2 * K) * D, "], got ", qkv.sizes());
-  const at::Tensor cos = cos_in.reshape({T, D}).contiguous(), sin = sin_in.reshape({T, D}).contiguous();
+  const at::Tensor cos = cos_in.reshape({T, D}).contiguous();
+  const at::Tensor sin = sin_in.reshape({T, D}).contiguous();
   check_float_cpu(cos, "rope_write_kv", "cos");
   check_float_cpu(sin, "rope_write_kv", "sin");
   TORCH_CHECK(slots.device().is_cpu() && slots.scalar_type() == at::kLong && slots.dim() == 1 &&
