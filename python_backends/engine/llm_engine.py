@@ -20,6 +20,7 @@ from python_backends.engine.ranks import RankGroup, threads_per_rank
 from python_backends.engine.sampler import SampleResult, sample
 from python_backends.engine.scheduler import Scheduler, SchedulerOutput
 from python_backends.engine.sequence import Sequence
+from python_backends.engine.speculative import SpeculationConfig
 from python_backends.engine.waiting_queue import WaitingQueue
 from python_backends.kv_transfer.layout import KVLayout
 from python_backends.models import kernels
@@ -80,6 +81,8 @@ class EngineStats:
     kernel_chunks: int = 0  # since start, rank 0's process: native-kernel work, in chunks
     helper_chunks: int = 0  # of those, computed by the idle-CPU helper (models.kernels)
     helper_taken_back: int = 0  # chunks the helper had taken that the engine thread took back
+    draft_tokens: int = 0  # since start: speculative tokens computed (engine.speculative)
+    draft_tokens_accepted: int = 0  # of those, confirmed by the model and kept
 
 
 class LLMEngine:
@@ -91,11 +94,13 @@ class LLMEngine:
         enable_chunked_prefill: bool = True, waiting: WaitingQueue | None = None,
         kv_pool: torch.Tensor | None = None, group: RankGroup | None = None,
         enable_prefix_caching: bool = True, kv_tier: TierFactory | None = None,
+        speculation: SpeculationConfig | None = None,
     ) -> None:
         """`model`: rank 0's. `kv_pool`: the pool KV transports see (see KVHandoff), a tensor of
         the whole-model layout. `group`: ranks 1..N-1 of a multi-rank engine, closed by
         `close`. `kv_tier`: makes the KV store tier behind the prefix cache from the pool and
-        its layout (single-rank engines only: a multi-rank pool is split across processes)."""
+        its layout (single-rank engines only: a multi-rank pool is split across processes).
+        `speculation`: drafts for greedy decoding (engine.speculative; default off)."""
         self.config = config
         self.device = model.ctx.device
         self.devices = group.devices if group is not None else [self.device]  # rank r's
@@ -110,7 +115,7 @@ class LLMEngine:
                                    self.tier.write if self.tier is not None else None)
         self.prefix = PrefixCache(self.blocks, enable_prefix_caching, self.tier)
         self.scheduler = Scheduler(config.limits, self.blocks, enable_chunked_prefill, waiting,
-                                   self.prefix)
+                                   self.prefix, speculation)
         self.handoff = KVHandoff(whole, self.runner, self.blocks, self.scheduler, kv_pool)
         self.busy_seconds = 0.0
         self.step_seconds = dict.fromkeys(STEP_PHASES, 0.0)
@@ -122,6 +127,7 @@ class LLMEngine:
         kv_pool: Callable[[KVLayout, torch.device], torch.Tensor] | None = None,
         placement: Placement | None = None, enable_prefix_caching: bool = True,
         kv_tier: TierFactory | None = None, cpu_threads: int = 0,
+        speculation: SpeculationConfig | None = None,
     ) -> LLMEngine:
         """`kv_pool`: makes the pool for the engine's layout on rank 0's device (default: plain
         memory there). `placement`: where the instance's ranks compute (default: the CPU).
@@ -142,7 +148,7 @@ class LLMEngine:
             whole = kv_layout(config, num_kv_blocks, whole=True)
             pool = kv_pool(whole, devices[0]) if kv_pool is not None else None
             return cls(config, model, num_kv_blocks, enable_chunked_prefill, waiting, pool, group,
-                       enable_prefix_caching, kv_tier)
+                       enable_prefix_caching, kv_tier, speculation)
         except BaseException:
             if group is not None:
                 group.close()
@@ -207,28 +213,30 @@ class LLMEngine:
         result = sample(sampling, logits) if sampling else SampleResult([], None)
         t2 = time.perf_counter()
         times["sample"] += t2 - t1
-        seqs = self.scheduler.update(out, result)
-        events = [self._event(s) for s in seqs]
+        events = [self._event(s, s.num_output_tokens - drawn + k)
+                  for s, drawn in self.scheduler.update(out, result) for k in range(1, drawn + 1)]
         self.handoff.export([b for e in events if e.kv_blocks for b in e.kv_blocks])
         times["update"] += time.perf_counter() - t2
         return events
 
     @staticmethod
-    def _event(s: Sequence) -> TokenEvent:
-        handed_over = s.prefill_only and s.is_finished and s.finish_reason is None
+    def _event(s: Sequence, n: int) -> TokenEvent:
+        """The event of `s`'s `n`-th output token (a step can draw several: speculation)."""
+        last = n == s.num_output_tokens
+        handed_over = last and s.prefill_only and s.is_finished and s.finish_reason is None
         prefill_time = decode_time = None
-        if s.num_output_tokens == 1 and s.first_token_time and s.queue_time is not None:
+        if n == 1 and s.first_token_time and s.queue_time is not None:
             prefill_time = s.first_token_time - s.arrival_time - s.queue_time
-        if s.finish_reason is not None and s.first_token_time is not None:
+        if last and s.finish_reason is not None and s.first_token_time is not None:
             decode_time = time.monotonic() - s.first_token_time
         event = TokenEvent(
             seq_id=s.seq_id,
-            token_id=s.output_ids[-1],
-            logprob=s.output_logprobs[-1] if s.params.return_log_probs else None,
-            finish_reason=s.finish_reason,
+            token_id=s.output_ids[n - 1],
+            logprob=s.output_logprobs[n - 1] if s.params.return_log_probs else None,
+            finish_reason=s.finish_reason if last else None,
             num_prompt_tokens=s.num_prompt_tokens,
-            num_output_tokens=s.num_output_tokens,
-            queue_time=s.queue_time if s.num_output_tokens == 1 else None,
+            num_output_tokens=n,
+            queue_time=s.queue_time if n == 1 else None,
             prefill_time=prefill_time,
             decode_time=decode_time,
             kv_blocks=tuple(s.block_table) if handed_over else None,
@@ -263,4 +271,6 @@ class LLMEngine:
             kernel_chunks=helper.chunks,
             helper_chunks=helper.helped,
             helper_taken_back=helper.taken_back,
+            draft_tokens=self.scheduler.num_draft_tokens,
+            draft_tokens_accepted=self.scheduler.num_accepted_tokens,
         )

@@ -71,19 +71,27 @@ class ModelRunner:
         slot_mapping: list[torch.Tensor] = []
         prefills: list[PrefillSpan] = []
         decode_index: list[int] = []
-        decode_seqs: list[Sequence] = []
+        decodes: list[tuple[Sequence, int]] = []  # a decode row's sequence and context length
         logits_index: list[int] = []
         sampling: list[Sequence] = []
         t = 0
         for item in scheduled:
-            seq, n = item.seq, item.num_new_tokens
+            seq, n = item.seq, item.num_tokens
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            input_ids.extend(seq.token_at(i) for i in range(start, end))
+            input_ids.extend(seq.token_at(i) for i in range(start, end - len(item.draft)))
+            input_ids.extend(item.draft)
             positions.append(torch.arange(start, end))
             slot_mapping.append(self._slots(seq, start, end))
+            if item.draft:  # one decode row per position, each over the context up to it
+                decode_index.extend(range(t, t + n))
+                decodes.extend((seq, start + 1 + i) for i in range(n))
+                logits_index.extend(range(t, t + n))
+                sampling.extend([seq] * n)
+                t += n
+                continue
             if n == 1:
                 decode_index.append(t)
-                decode_seqs.append(seq)
+                decodes.append((seq, start + 1))
             else:
                 if start > 0:
                     prefills.append(PrefillSpan(t, t + n, end, self._slots(seq, 0, end),
@@ -95,11 +103,10 @@ class ModelRunner:
                 logits_index.append(t - 1)
                 sampling.append(seq)
         decode = None
-        if decode_seqs:
-            lens = [s.num_computed_tokens + 1 for s in decode_seqs]
-            longest = max(lens)
-            slots = torch.zeros(len(decode_seqs), longest, dtype=torch.long)
-            for row, (seq, n_ctx) in enumerate(zip(decode_seqs, lens, strict=True)):
+        if decodes:
+            lens = [n_ctx for _, n_ctx in decodes]
+            slots = torch.zeros(len(decodes), max(lens), dtype=torch.long)
+            for row, (seq, n_ctx) in enumerate(decodes):
                 slots[row, :n_ctx] = self._slots(seq, 0, n_ctx)
             decode = DecodeBatch(torch.tensor(decode_index), slots, torch.tensor(lens))
         meta = AttentionMetadata(
@@ -134,13 +141,13 @@ class ModelRunner:
         parts = min(self.group.config.parallel.pp, len(scheduled))
         if parts <= 1:
             return [scheduled]
-        total = sum(s.num_new_tokens for s in scheduled)
+        total = sum(s.num_tokens for s in scheduled)
         out: list[tuple[ScheduledSequence, ...]] = []
         current: list[ScheduledSequence] = []
         done = 0
         for i, item in enumerate(scheduled):
             current.append(item)
-            done += item.num_new_tokens
+            done += item.num_tokens
             items_left = len(scheduled) - i - 1  # enough to give every later part one
             if (len(out) < parts - 1 and done >= total * (len(out) + 1) / parts
                     and items_left >= parts - 1 - len(out)):

@@ -21,19 +21,29 @@ from python_backends.engine.block_manager import BlockManager
 from python_backends.engine.prefix_cache import PrefixCache
 from python_backends.engine.sampler import SampleResult
 from python_backends.engine.sequence import Sequence, SequenceStatus
+from python_backends.engine.speculative import NgramIndex, SpeculationConfig
 from python_backends.engine.waiting_queue import FcfsQueue, WaitingQueue
 from python_backends.params import FinishReason
 
 
 @dataclass(frozen=True)
 class ScheduledSequence:
+    """`num_new_tokens` of the sequence's known tokens, then (a decoding sequence's) `draft`:
+    speculative tokens computed after them, kept where the model's choices confirm them."""
+
     seq: Sequence
     num_new_tokens: int
+    draft: tuple[int, ...] = ()
 
     @property
     def samples(self) -> bool:
         """Whether this step completes the sequence's known tokens, so its next one is drawn."""
         return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        """Positions the step computes for the sequence: its new tokens and its draft."""
+        return self.num_new_tokens + len(self.draft)
 
 
 @dataclass(frozen=True)
@@ -43,7 +53,7 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+        return sum(s.num_tokens for s in self.scheduled)
 
 
 class RequestTooLarge(ValueError):
@@ -54,9 +64,16 @@ class Scheduler:
     def __init__(
         self, limits: EngineLimits, blocks: BlockManager, enable_chunked_prefill: bool = True,
         waiting: WaitingQueue | None = None, prefix: PrefixCache | None = None,
+        speculation: SpeculationConfig | None = None,
     ) -> None:
-        """`prefix`: the prefix cache over `blocks` (default: one that is off)."""
+        """`prefix`: the prefix cache over `blocks` (default: one that is off). `speculation`:
+        drafts for greedy decoding sequences (default: off; see engine.speculative)."""
         self.limits = limits
+        self.speculation = speculation or SpeculationConfig()
+        self._ngram_lengths = tuple(range(self.speculation.ngram_max,
+                                          self.speculation.ngram_min - 1, -1))
+        self.num_draft_tokens = 0  # since start: speculative tokens computed
+        self.num_accepted_tokens = 0  # since start: of those, kept (confirmed by the model)
         self.blocks = blocks
         self.prefix = prefix if prefix is not None else PrefixCache(blocks, enabled=False)
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -106,7 +123,10 @@ class Scheduler:
         while queue and budget > 0:
             seq = queue.popleft()
             n = min(seq.num_uncomputed_tokens, budget)
-            need = self._blocks_needed(seq, n)
+            draft = self._draft(seq, budget - n) if n == 1 else ()
+            need = self._blocks_needed(seq, n + len(draft))
+            if draft and not self.blocks.can_allocate(need):  # drafts never cost a preemption
+                draft, need = (), self._blocks_needed(seq, n)
             while not self.blocks.can_allocate(need) and queue:
                 victim = queue.pop()
                 self._preempt(victim)
@@ -116,9 +136,9 @@ class Scheduler:
                 preempted.append(seq)
                 break
             seq.block_table.extend(self.blocks.allocate(need))
-            scheduled.append(ScheduledSequence(seq, n))
+            scheduled.append(ScheduledSequence(seq, n, draft))
             running.append(seq)
-            budget -= n
+            budget -= n + len(draft)
         running.extend(queue)  # budget ran out: they keep their place and run next step
         if not preempted:  # after a block shortage, starting more would only thrash
             while budget > 0 and len(running) < self.limits.max_num_seqs:
@@ -151,6 +171,20 @@ class Scheduler:
         self.num_preemptions += len(preempted)
         return SchedulerOutput(tuple(scheduled), tuple(preempted))
 
+    def _draft(self, seq: Sequence, budget: int) -> tuple[int, ...]:
+        """A decoding sequence's draft for this step (engine.speculative): at most `budget`
+        tokens, and none past the sequence's max_tokens or the engine's max_seq_len."""
+        spec, p = self.speculation, seq.params
+        if not spec.enabled or not p.greedy or p.needs_logits_processing or seq.prefill_only:
+            return ()
+        if seq.ngrams is None:
+            seq.ngrams = NgramIndex(self._ngram_lengths)
+        room = min(p.max_tokens - seq.num_output_tokens,
+                   self.limits.max_seq_len - seq.num_tokens) - 1
+        longest = spec.num_tokens if seq.draft_limit is None else seq.draft_limit
+        limit = min(longest, budget, room)
+        return tuple(seq.ngrams.draft(seq.token_ids(), limit))
+
     def _preempt_for_priority(self) -> list[Sequence]:
         """Make room for a waiting sequence that outranks running ones: while it cannot be
         started (batch full, or too few free blocks for its next chunk), preempt the least
@@ -171,11 +205,11 @@ class Scheduler:
             self._preempt(victim)
             victims.append(victim)
 
-    def update(self, out: SchedulerOutput, result: SampleResult) -> list[Sequence]:
+    def update(self, out: SchedulerOutput, result: SampleResult) -> list[tuple[Sequence, int]]:
         """Advance computed counts and append sampled tokens (in `out` order of the sampling
-        sequences). Finished sequences release their blocks. Returns the sequences that got a
-        token this step."""
-        sampled: list[Sequence] = []
+        sequences; a sequence with a draft has one per position it computed). Finished sequences
+        release their blocks. Returns the sequences that got tokens this step, with how many."""
+        sampled: list[tuple[Sequence, int]] = []
         i = 0
         for item in out.scheduled:
             seq = item.seq
@@ -185,17 +219,15 @@ class Scheduler:
             self.num_prompt_tokens_computed += max(
                 0, min(seq.num_computed_tokens, seq.num_prompt_tokens) - before
             )
-            self.prefix.cache_computed(seq)
             if not samples:
+                self.prefix.cache_computed(seq)
                 continue
-            seq.output_ids.append(result.token_ids[i])
+            drawn, reason = self._append(seq, item.draft, result, i)
+            i += 1 + len(item.draft)
+            self.prefix.cache_computed(seq)
+            sampled.append((seq, drawn))
             if seq.first_token_time is None:
                 seq.first_token_time = time.monotonic()
-            if result.logprobs is not None:
-                seq.output_logprobs.append(result.logprobs[i])
-            i += 1
-            sampled.append(seq)
-            reason = stop_reason(seq, self.limits.max_seq_len)
             if reason is not None:
                 self.running.remove(seq)
                 self._finish(seq, reason)
@@ -203,6 +235,31 @@ class Scheduler:
                 self.running.remove(seq)
                 seq.status = SequenceStatus.FINISHED  # blocks kept: the caller leases them
         return sampled
+
+    def _append(self, seq: Sequence, draft: tuple[int, ...], result: SampleResult,
+                row: int) -> tuple[int, FinishReason | None]:
+        """Append the tokens the model chose at rows `row`.. (one per computed position): the
+        first, then one more for each draft token the previous choice confirmed, up to a token
+        that stops the sequence. Returns how many were appended, and why it must stop if so."""
+        drawn, reason = 0, None
+        for j in range(len(draft) + 1):
+            if j:
+                if result.token_ids[row + j - 1] != draft[j - 1]:
+                    break
+                seq.num_computed_tokens += 1  # the confirmed draft token's KV is in the cache
+            seq.output_ids.append(result.token_ids[row + j])
+            if result.logprobs is not None:
+                seq.output_logprobs.append(result.logprobs[row + j])
+            drawn += 1
+            reason = stop_reason(seq, self.limits.max_seq_len)
+            if reason is not None:
+                break
+        if draft:
+            kept = drawn - 1
+            self.num_draft_tokens += len(draft)
+            self.num_accepted_tokens += kept
+            seq.draft_limit = min(self.speculation.num_tokens, kept + 1)
+        return drawn, reason
 
     def _blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         total = self.blocks.blocks_for(seq.num_computed_tokens + num_new_tokens)

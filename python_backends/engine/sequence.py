@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from python_backends.engine.block_manager import BlockHash, block_hash
+from python_backends.engine.speculative import NgramIndex
 from python_backends.params import FinishReason, SamplingParams
 
 
@@ -48,6 +49,11 @@ class Sequence:
     # cache_salt). `num_cached_blocks`: leading blocks of block_table already in the cache.
     cache_salt: str = ""
     num_cached_blocks: int = 0
+    # Speculative decoding (engine.speculative): the sequence's n-gram index, made when it first
+    # drafts, and its next draft's longest length (one more than its last draft kept; None:
+    # the engine's longest).
+    ngrams: NgramIndex | None = field(default=None, repr=False)
+    draft_limit: int | None = None
     _block_hashes: list[BlockHash] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:

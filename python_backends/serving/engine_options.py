@@ -9,6 +9,7 @@ from typing import Any
 
 import triton_python_backend_utils as pb_utils
 
+from python_backends.engine.speculative import SpeculationConfig
 from python_backends.kv_store.host_store import find_store
 from python_backends.kv_store.tier import StoreTier
 from python_backends.kv_transfer.layout import KVLayout
@@ -41,3 +42,15 @@ def prefix_caching(margs: ModelArgs) -> dict[str, Any]:
         return StoreTier(partial(find_store, server), pool, layout)
 
     return {"enable_prefix_caching": enabled, "kv_tier": tier if use_store else None}
+
+
+def speculation(margs: ModelArgs) -> SpeculationConfig:
+    """The engine models' `num_speculative_tokens` parameter: the longest prompt-lookup draft a
+    greedy sequence proposes per step (0: off; engine.speculative, docs/engines.md)."""
+    value = margs.param("num_speculative_tokens", "0").strip()
+    try:
+        return SpeculationConfig(int(value))
+    except ValueError:
+        raise pb_utils.TritonModelException(
+            f"{margs.model_name}: parameter num_speculative_tokens must be an integer >= 0, "
+            f"got {value!r}") from None

@@ -41,7 +41,7 @@ from python_backends.serving.common import (
     kv_transports,
     response,
 )
-from python_backends.serving.engine_options import cpu_threads, prefix_caching
+from python_backends.serving.engine_options import cpu_threads, prefix_caching, speculation
 from python_backends.serving.metrics import EngineMetrics, KVTransferMetrics
 from python_backends.serving.outbox import Outbox, caller_gone
 from python_backends.wire import ErrorKind, TokenStep
@@ -95,7 +95,8 @@ class GeneratorModel(EngineListener):
             enable_chunked_prefill=margs.param("enable_chunked_prefill", "true") == "true",
             waiting=PriorityFairQueue(weights),
             placement=margs.placement,
-            cpu_threads=cpu_threads(margs), **prefix_caching(margs),
+            cpu_threads=cpu_threads(margs), speculation=speculation(margs),
+            **prefix_caching(margs),
         ))
         self.metrics = EngineMetrics(margs.model_name, margs.instance_name)
         self._callers: dict[str, _Caller] = {}

@@ -49,6 +49,10 @@ ENGINE_TOTALS = (
      "Of those, chunks the idle-CPU helper thread computed (its share of the second core)"),
     ("helper_taken_back", "llm_idle_helper_taken_back_total",
      "Chunks the helper had taken and the engine thread took back and computed itself"),
+    ("draft_tokens", "llm_spec_draft_tokens_total",
+     "Speculative (prompt-lookup) draft tokens the engine computed"),
+    ("draft_tokens_accepted", "llm_spec_accepted_tokens_total",
+     "Of those, tokens the model confirmed and kept (accepted / draft: the acceptance rate)"),
 )
 LATENCY_BUCKETS = [
     0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from python_backends.client import as_list
-from tests.e2e.conftest import MAX_TOKENS, PROMPTS, Reference, Server
+from python_backends.client import as_list, metric_sum
+from tests.e2e.conftest import MAX_TOKENS, PROMPTS, Reference, Server, hf_greedy
 
 pytestmark = pytest.mark.e2e
 GREEDY = {"max_tokens": MAX_TOKENS, "exclude_input_in_output": True}
@@ -121,3 +121,23 @@ def test_sampling_parameters_are_applied(server: Server) -> None:
                                        repetition_penalty=1.5, min_tokens=16)
     assert penalised["num_output_tokens"] == 16
     assert as_list(penalised["output_ids"]) != greedy_ids
+
+
+REPEAT_PROMPT = ("The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the "
+                 "lazy dog. The quick brown")  # the model repeats itself after it
+
+
+@pytest.mark.parametrize(("route", "model"), [("aggregated", "worker"),
+                                              ("disaggregated", "decode")])
+def test_speculative_drafts_keep_the_hf_output(server: Server, route: str, model: str) -> None:
+    """The engine models draft by prompt lookup (num_speculative_tokens in their config): a
+    prompt the model repeats has drafts kept, and the output is still Hugging Face's."""
+    want = hf_greedy([REPEAT_PROMPT], 48).outputs[REPEAT_PROMPT]
+    before = server.metrics()
+    result = server.client.stream_collect(REPEAT_PROMPT, max_tokens=48, route=route,
+                                          exclude_input_in_output=True)
+    after = server.metrics()
+    assert result.output_ids == want
+    drafted, kept = (metric_sum(after, name, model=model) - metric_sum(before, name, model=model)
+                     for name in ("llm_spec_draft_tokens_total", "llm_spec_accepted_tokens_total"))
+    assert 0 < kept <= drafted

@@ -16,10 +16,12 @@ from python_backends import procfs
 from python_backends.config import EngineConfig, EngineConfigError, EngineLimits, ParallelLayout
 from python_backends.engine.builder import write_engine
 from python_backends.engine.engine_loop import build_off_thread
+from python_backends.engine.speculative import SpeculationConfig
 from python_backends.parallel.placement import Placement
 from python_backends.params import SamplingParams
 from tests.conftest import TinyModel, make_tiny_llama, prompts
 from tests.engine.test_llm_engine import run_all
+from tests.engine.test_speculative import events_until_done, with_oracle
 
 # 8 query / 4 KV heads take tp 1, 2, 4; 3 layers take pp 2 (2 + 1 layers) and 3; a vocabulary
 # of 250 does not divide by 3 or 4, so the vocab-parallel shards are padded.
@@ -58,6 +60,26 @@ def test_tied_embeddings_split_match_hf(tmp_path: Path, tp: int, pp: int) -> Non
     model = make_tiny_llama(tmp_path / "e", seed=22, parallel=ParallelLayout(tp=tp, pp=pp),
                             tie_word_embeddings=True, **SHAPE)
     check_layout(model, n_prompts=3)
+
+
+def test_drafts_over_tensor_and_pipeline_ranks_keep_hf_output(tmp_path: Path) -> None:
+    """Speculative rows (engine.speculative) cross TP ranks and PP micro-batches like decodes."""
+    model = make_tiny_llama(tmp_path / "e", seed=21, parallel=ParallelLayout(tp=2, pp=2),
+                            **SHAPE)
+    engine = build_off_thread(partial(model.engine, speculation=SpeculationConfig(4)))
+    try:
+        batch = [[t % 250 for t in p] for p in prompts(4, seed=11, hi=30)]  # check_layout's
+        want = [model.greedy(p, 12) for p in batch]
+        for i, p in enumerate(batch):
+            with_oracle(engine, str(i), p, SamplingParams(max_tokens=12), want[i], wrong=i)
+        got: dict[str, list[int]] = {str(i): [] for i in range(len(batch))}
+        for ev in events_until_done(engine)[0]:
+            got[ev.seq_id].append(ev.token_id)
+        assert [got[str(i)] for i in range(len(batch))] == want
+        stats = engine.stats()
+        assert 0 < stats.draft_tokens_accepted < stats.draft_tokens
+    finally:
+        engine.close()
 
 
 def test_each_rank_file_holds_only_its_shards(tmp_path: Path) -> None:

@@ -1,4 +1,5 @@
-"""The engine models' `cpu_threads` parameter (pb_utils faked at the edge)."""
+"""The engine models' `cpu_threads` and `num_speculative_tokens` parameters (pb_utils faked at
+the edge)."""
 
 from __future__ import annotations
 
@@ -46,3 +47,22 @@ def test_cpu_threads(options: types.ModuleType, value: str | None, want: int) ->
 def test_bad_cpu_threads_name_the_parameter(options: types.ModuleType, value: str) -> None:
     with pytest.raises(FakeModelException, match="cpu_threads"):
         options.cpu_threads(_args(options, value))
+
+
+def _spec_args(value: str | None) -> object:
+    params = {} if value is None else {"num_speculative_tokens": {"string_value": value}}
+    common = sys.modules["python_backends.serving.common"]
+    return common.ModelArgs({"model_name": "worker",
+                             "model_config": json.dumps({"parameters": params})})
+
+
+@pytest.mark.parametrize(("value", "want"), [(None, 0), ("0", 0), (" 4 ", 4)])
+def test_num_speculative_tokens(options: types.ModuleType, value: str | None, want: int) -> None:
+    assert options.speculation(_spec_args(value)).num_tokens == want
+
+
+@pytest.mark.parametrize("value", ["-1", "four", "2.5"])
+def test_bad_num_speculative_tokens_name_the_parameter(options: types.ModuleType,
+                                                       value: str) -> None:
+    with pytest.raises(FakeModelException, match="num_speculative_tokens"):
+        options.speculation(_spec_args(value))

@@ -1,0 +1,70 @@
+"""Prompt-lookup speculative decoding: drafts copied from a sequence's own earlier tokens.
+
+A greedy sequence whose last few tokens (an n-gram) occurred before in its prompt or output
+proposes the tokens that followed that occurrence as a draft. The step computes the sequence's
+next token and the draft's tokens together, as decode rows of one batch (each row attends to the
+context up to its own position), and the scheduler keeps the drafts that the model's own greedy
+choices confirm, plus the choice after the last confirmed one (Scheduler.update). The output is
+the one plain greedy decoding gives; what changes is how many tokens a step yields, at the cost
+of a few more rows through the projections, which a memory-bound step reads the weights for
+anyway. Nothing is proposed without a match, so text that does not repeat itself pays nothing.
+
+Only sequences that are greedy with no logits processing speculate: penalties, bans and
+sampling depend on the tokens before each position, which the draft would have to replay.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SpeculationConfig:
+    """`num_tokens`: the longest draft (0: off). `ngram_max`..`ngram_min`: the n-gram lengths
+    looked up, longest first."""
+
+    num_tokens: int = 0
+    ngram_max: int = 3
+    ngram_min: int = 2
+
+    def __post_init__(self) -> None:
+        if self.num_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, "
+                             f"{self.ngram_max}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_tokens > 0
+
+
+@dataclass
+class NgramIndex:
+    """A sequence's n-grams (lengths `lengths`) to the position after their latest occurrence,
+    extended as the sequence grows. Each token is indexed once: O(1) per token and lookup."""
+
+    lengths: tuple[int, ...]
+    _next: dict[tuple[int, ...], int] = field(default_factory=dict)
+    _indexed: int = 0  # n-grams ending before this position are in `_next`
+
+    def draft(self, tokens: list[int], limit: int) -> list[int]:
+        """Up to `limit` tokens that followed the latest earlier occurrence of the longest
+        n-gram ending `tokens`; [] if none occurred. A continuation that runs into the n-gram
+        itself (a repeating cycle) goes on along the cycle."""
+        if limit <= 0:
+            return []
+        end = len(tokens) - 1  # n-grams must end before the last token to have a follower
+        for stop in range(self._indexed, end):
+            for n in self.lengths:
+                if stop + 1 >= n:
+                    self._next[tuple(tokens[stop + 1 - n : stop + 1])] = stop + 1
+        self._indexed = max(self._indexed, end)
+        for n in self.lengths:
+            if len(tokens) < n:
+                continue
+            start = self._next.get(tuple(tokens[-n:]))
+            if start is not None:
+                period = len(tokens) - start  # the draft repeats the span [start, end]
+                return [tokens[start + i % period] for i in range(limit)]
+        return []
