@@ -21,6 +21,8 @@ from python_backends.watchdog import stub_of
 STEP_PHASES_METRIC = "llm_engine_step_seconds_total"
 KERNEL_CHUNKS_METRIC = "llm_kernel_chunks_total"
 HELPER_CHUNKS_METRIC = "llm_idle_helper_chunks_total"
+DRAFT_METRIC = "llm_spec_draft_tokens_total"
+ACCEPTED_METRIC = "llm_spec_accepted_tokens_total"
 
 
 def server_pid(metrics_port: int) -> int | None:
@@ -62,6 +64,7 @@ class Breakdown:
     cpu_ms: dict[str, float]  # CPU ms per token, by process name (a model's instances summed)
     phases_ms: dict[str, dict[str, float]]  # engine wall ms per token, by model then phase
     helper_share: dict[str, float] = field(default_factory=dict)  # by model: helper's chunks
+    drafts: dict[str, tuple[float, float]] = field(default_factory=dict)  # by model: drafted, kept
 
 
 def breakdown(before: Snapshot, after: Snapshot, tokens: int, wall_s: float) -> Breakdown:
@@ -86,7 +89,13 @@ def breakdown(before: Snapshot, after: Snapshot, tokens: int, wall_s: float) -> 
         if chunks > 0:
             helped = metric_delta(before.metrics, after.metrics, HELPER_CHUNKS_METRIC, model=model)
             share[model] = helped / chunks
-    return Breakdown(tokens, wall_s, dict(cpu), busy, share)
+    drafts = {}
+    for model in busy:
+        drafted = metric_delta(before.metrics, after.metrics, DRAFT_METRIC, model=model)
+        if drafted > 0:
+            drafts[model] = (drafted, metric_delta(before.metrics, after.metrics,
+                                                   ACCEPTED_METRIC, model=model))
+    return Breakdown(tokens, wall_s, dict(cpu), busy, share, drafts)
 
 
 def format_breakdown(b: Breakdown, cores: int) -> str:
@@ -105,4 +114,9 @@ def format_breakdown(b: Breakdown, cores: int) -> str:
         if model in b.helper_share:
             lines.append(f"  {model} idle-CPU helper: {100 * b.helper_share[model]:.0f}% of the "
                          f"native kernels' work chunks")
+        if model in b.drafts:
+            drafted, kept = b.drafts[model]
+            lines.append(f"  {model} speculative drafts: {drafted:.0f} drafted, {kept:.0f} kept "
+                         f"({100 * kept / drafted:.0f}%); kept drafts were "
+                         f"{100 * kept / max(1, b.tokens):.0f}% of the output tokens")
     return "\n".join(lines)

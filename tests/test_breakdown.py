@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from python_backends.breakdown import (
+    ACCEPTED_METRIC,
+    DRAFT_METRIC,
     HELPER_CHUNKS_METRIC,
     KERNEL_CHUNKS_METRIC,
     STEP_PHASES_METRIC,
@@ -54,3 +56,20 @@ def test_the_helpers_share_of_kernel_chunks_over_the_load() -> None:
     flat = Snapshot({1: 0.0}, names, metrics(1000, 100))
     moved = Snapshot({1: 1.0}, names, {**metrics(1000, 100), **phases(forward=20.0)})
     assert breakdown(flat, moved, tokens=10, wall_s=1.0).helper_share == {}
+
+
+def test_speculative_drafts_over_the_load() -> None:
+    def metrics(drafted: float, kept: float) -> Metrics:
+        labels = frozenset({("model", "worker"), ("instance", "worker_0_0")})
+        return {**phases(forward=drafted / 100),
+                DRAFT_METRIC: {labels: drafted}, ACCEPTED_METRIC: {labels: kept}}
+
+    names = {1: "worker"}
+    b = breakdown(Snapshot({1: 0.0}, names, metrics(100, 50)),
+                  Snapshot({1: 1.0}, names, metrics(500, 350)), tokens=1000, wall_s=1.0)
+    assert b.drafts == {"worker": (400, 300)}
+    assert ("worker speculative drafts: 400 drafted, 300 kept (75%); kept drafts were 30% of "
+            "the output tokens") in format_breakdown(b, cores=2)
+    same = Snapshot({1: 1.0}, names, {**metrics(100, 50), **phases(forward=9.0)})
+    assert breakdown(Snapshot({1: 0.0}, names, metrics(100, 50)), same, tokens=10,
+                     wall_s=1.0).drafts == {}  # none drafted during the load: no line
