@@ -18,6 +18,7 @@ What it takes, found by doing it on the 2-core development machine (docs/benchma
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -93,14 +94,21 @@ def server_env() -> dict[str, str]:
 
 
 class VllmServer:
-    """`vllm` serving `checkpoint` as `model_name` on 127.0.0.1:`port` (float32)."""
+    """`vllm` serving `checkpoint` as `model_name` on 127.0.0.1:`port` (float32).
+    `speculative_tokens`: above 0, vLLM's own prompt-lookup (n-gram) speculative decoding with
+    drafts of up to that many tokens from 3- to 2-grams, as this project's engines draft
+    (engine.speculative); 0: vLLM's default, none."""
 
     def __init__(self, python: Path, checkpoint: Path, model_name: str, port: int,
-                 log_file: Path) -> None:
+                 log_file: Path, speculative_tokens: int = 0) -> None:
         self.url = f"http://127.0.0.1:{port}"
         self.cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server",
                     "--model", str(checkpoint), "--served-model-name", model_name,
                     "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port)]
+        if speculative_tokens > 0:
+            self.cmd += ["--speculative-config", json.dumps({
+                "method": "ngram", "num_speculative_tokens": speculative_tokens,
+                "prompt_lookup_max": 3, "prompt_lookup_min": 2})]
         self.log_file = log_file
         self.process: subprocess.Popen[bytes] | None = None
 

@@ -119,6 +119,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--peer", choices=("vllm",), default=None,
                     help="set up and start the peer: vllm = vLLM for CPU in .venv-vllm, on the "
                     "engine's weights in float32 (python_backends/peer.py)")
+    ap.add_argument("--peer-speculative-tokens", type=int, default=0,
+                    help="with --peer vllm: vLLM's n-gram (prompt-lookup) speculative decoding "
+                    "with drafts of up to this many tokens, as our engines draft; 0 (default): "
+                    "vLLM's default, none")
     ap.add_argument("--peer-url", default=None, help="an OpenAI-compatible server to compare")
     ap.add_argument("--peer-model", default="SmolLM2-135M-Instruct")
     ap.add_argument("--peer-endpoint", default="completions", choices=("completions", "chat"))
@@ -139,8 +143,10 @@ def _peer(args: argparse.Namespace, stack: contextlib.ExitStack) -> Target | Non
         python = ensure_env()
         checkpoint = export_checkpoint(args.engine)
         server = stack.enter_context(VllmServer(python, checkpoint, args.peer_model, free_port(),
-                                                Path("/tmp/bench-sweep-vllm.log")))
-        return Target.openai(server.url, args.peer_model, args.peer_endpoint, name="vllm-cpu")
+                                                Path("/tmp/bench-sweep-vllm.log"),
+                                                args.peer_speculative_tokens))
+        name = "vllm-cpu" + ("-ngram" if args.peer_speculative_tokens > 0 else "")
+        return Target.openai(server.url, args.peer_model, args.peer_endpoint, name=name)
     if args.peer_url:
         return Target.openai(args.peer_url, args.peer_model, args.peer_endpoint,
                              ignore_eos=args.peer_ignore_eos)

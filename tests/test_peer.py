@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -55,3 +56,12 @@ def test_stale_omp_files_of_gone_processes_are_removed(tmp_path: Path) -> None:
         f.write_text("")
     peer.remove_stale_omp_files(tmp_path)
     assert alive.exists() and not gone.exists() and other.exists()
+
+
+def test_the_peer_can_draft_by_prompt_lookup_as_our_engines_do(tmp_path: Path) -> None:
+    plain = peer.VllmServer(Path("/p"), tmp_path, "m", 8123, tmp_path / "log")
+    assert "--speculative-config" not in plain.cmd
+    cmd = peer.VllmServer(Path("/p"), tmp_path, "m", 8123, tmp_path / "log", 4).cmd
+    config = json.loads(cmd[cmd.index("--speculative-config") + 1])
+    assert config == {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
+                      "prompt_lookup_min": 2}
