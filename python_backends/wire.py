@@ -96,7 +96,7 @@ class Message:
     """Base of the typed messages: encoding and decoding from the fields' tensor specs.
 
     A message whose class sets `PACKED` travels as that one UINT8 tensor holding every field
-    (`pack`), not a tensor per field. Engines answer once per token, and in Triton 2.51 a
+    (`pack`), not a tensor per field. Engines answer once per step, and in Triton 2.51 a
     decoupled BLS caller's stub keeps every response of a call, each tensor as a C++ object, a
     numpy array and a block of its shared memory, until the call ends: a tensor per field made
     a token cost the front about 9 KiB for the length of its stream (docs/platform.md)."""
@@ -336,10 +336,11 @@ class ErrorKind(enum.Enum):
 
 @dataclass(frozen=True)
 class TokenStep(Message):
-    """worker or decode -> front: one step's new token of one sequence (none in a final
-    "cancelled" or "error" answer). An engine's error travels here, as data in a final step,
-    never as a Triton error: a decoupled BLS call never receives an error response that is not
-    its first (docs/platform.md). Packed in one tensor: there is one per token (see Message)."""
+    """worker or decode -> front: one step's new tokens of one sequence (one, or more where a
+    speculative draft was kept; none in a final "cancelled" or "error" answer). An engine's
+    error travels here, as data in a final step, never as a Triton error: a decoupled BLS call
+    never receives an error response that is not its first (docs/platform.md). Packed in one
+    tensor: there is one per step (see Message)."""
 
     PACKED: ClassVar[str] = "STEP"
     output_ids: list[int] = _tensor("OUTPUT_IDS", Kind.INTS)

@@ -3,8 +3,9 @@
 It routes each tokenized request (see front.routing): to the aggregated `worker` group, or
 to the `prefill` group (first token and KV handle; the token is sent at once) and then the
 `decode` group with the handle. It turns the engine's per-step responses into client chunks
-(one per token when streaming, one in all otherwise) and watches for client cancellation, which
-it relays to the engine through the cancel board (and to a prefill lease, which it abandons).
+(one per engine step when streaming, one in all otherwise) and watches for client
+cancellation, which it relays to the engine through the cancel board (and to a prefill lease,
+which it abandons).
 """
 
 from __future__ import annotations

@@ -187,22 +187,32 @@ class GeneratorModel(EngineListener):
             caller.handle = None
 
     def on_tokens(self, events: list[TokenEvent]) -> None:
+        """One response per sequence per step, with every token the step drew for it (several
+        when its speculative draft was kept; engine.speculative)."""
+        steps: dict[str, list[TokenEvent]] = {}
         for ev in events:
-            self._release_unpulled(self._callers[ev.seq_id])
-            if self._callers[ev.seq_id].fault_due(ev):
+            caller = self._callers.get(ev.seq_id)
+            if caller is None:  # failed by the fault below at an earlier token of this step
+                continue
+            self._release_unpulled(caller)
+            if caller.fault_due(ev):
                 self.loop.engine.abort(ev.seq_id)  # on the loop thread: the engine is ours
+                steps.pop(ev.seq_id, None)
                 self.on_finished_early(ev.seq_id, RuntimeError(
                     "injected engine fault: the step after the first token failed"))
                 continue
             self.metrics.observe(ev)
-            if ev.finish_reason is None:
-                caller, flags = self._callers[ev.seq_id], 0
+            steps.setdefault(ev.seq_id, []).append(ev)
+        for seq_id, evs in steps.items():
+            last = evs[-1]
+            if last.finish_reason is None:
+                caller, flags = self._callers[seq_id], 0
             else:
-                caller, flags = self._callers.pop(ev.seq_id), FINAL
+                caller, flags = self._callers.pop(seq_id), FINAL
             self.outbox.put(caller.sender, partial(step_response, TokenStep(
-                [ev.token_id], [ev.logprob or 0.0],
-                ev.finish_reason.value if ev.finish_reason else "",
-                ev.num_prompt_tokens, ev.num_output_tokens,
+                [e.token_id for e in evs], [e.logprob or 0.0 for e in evs],
+                last.finish_reason.value if last.finish_reason else "",
+                last.num_prompt_tokens, last.num_output_tokens,
             )), flags, caller.lane)
 
     def on_finished_early(self, seq_id: str, error: Exception | None) -> None:
