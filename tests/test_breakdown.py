@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from python_backends.breakdown import (
     ACCEPTED_METRIC,
     DRAFT_METRIC,
@@ -40,12 +42,19 @@ def test_idle_engines_are_left_out() -> None:
     assert breakdown(snap, snap, tokens=10, wall_s=1.0).phases_ms == {}
 
 
-def test_the_helpers_share_of_kernel_chunks_over_the_load() -> None:
-    def metrics(chunks: float, helped: float) -> Metrics:
-        labels = frozenset({("model", "worker"), ("instance", "worker_0_0")})
-        return {**phases(forward=chunks / 100),
-                KERNEL_CHUNKS_METRIC: {labels: chunks}, HELPER_CHUNKS_METRIC: {labels: helped}}
+def counters(first: str, second: str) -> Callable[[float, float], Metrics]:
+    """Metrics of the worker: two counters at the values given, and a forward phase that moves
+    with the first (so the engine counts as busy between two snapshots where it grew)."""
+    labels = frozenset({("model", "worker"), ("instance", "worker_0_0")})
 
+    def metrics(a: float, b: float) -> Metrics:
+        return {**phases(forward=a / 100), first: {labels: a}, second: {labels: b}}
+
+    return metrics
+
+
+def test_the_helpers_share_of_kernel_chunks_over_the_load() -> None:
+    metrics = counters(KERNEL_CHUNKS_METRIC, HELPER_CHUNKS_METRIC)
     names = {1: "worker"}
     b = breakdown(Snapshot({1: 0.0}, names, metrics(1000, 100)),
                   Snapshot({1: 1.0}, names, metrics(3000, 900)), tokens=10, wall_s=1.0)
@@ -59,11 +68,7 @@ def test_the_helpers_share_of_kernel_chunks_over_the_load() -> None:
 
 
 def test_speculative_drafts_over_the_load() -> None:
-    def metrics(drafted: float, kept: float) -> Metrics:
-        labels = frozenset({("model", "worker"), ("instance", "worker_0_0")})
-        return {**phases(forward=drafted / 100),
-                DRAFT_METRIC: {labels: drafted}, ACCEPTED_METRIC: {labels: kept}}
-
+    metrics = counters(DRAFT_METRIC, ACCEPTED_METRIC)
     names = {1: "worker"}
     b = breakdown(Snapshot({1: 0.0}, names, metrics(100, 50)),
                   Snapshot({1: 1.0}, names, metrics(500, 350)), tokens=1000, wall_s=1.0)
