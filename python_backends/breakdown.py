@@ -83,19 +83,20 @@ def breakdown(before: Snapshot, after: Snapshot, tokens: int, wall_s: float) -> 
         phases[model][phase] = metric_delta(before.metrics, after.metrics, STEP_PHASES_METRIC,
                                             model=model, phase=phase) * per_token
     busy = {m: p for m, p in phases.items() if sum(p.values()) > 0}
-    share = {}
-    for model in busy:
-        chunks = metric_delta(before.metrics, after.metrics, KERNEL_CHUNKS_METRIC, model=model)
-        if chunks > 0:
-            helped = metric_delta(before.metrics, after.metrics, HELPER_CHUNKS_METRIC, model=model)
-            share[model] = helped / chunks
-    drafts = {}
-    for model in busy:
-        drafted = metric_delta(before.metrics, after.metrics, DRAFT_METRIC, model=model)
-        if drafted > 0:
-            drafts[model] = (drafted, metric_delta(before.metrics, after.metrics,
-                                                   ACCEPTED_METRIC, model=model))
-    return Breakdown(tokens, wall_s, dict(cpu), busy, share, drafts)
+
+    def moved(whole: str, part: str) -> dict[str, tuple[float, float]]:
+        """By busy model whose counter `whole` grew: its growth, and that of `part` of it."""
+        out = {}
+        for model in busy:
+            grew = metric_delta(before.metrics, after.metrics, whole, model=model)
+            if grew > 0:
+                out[model] = (grew, metric_delta(before.metrics, after.metrics, part, model=model))
+        return out
+
+    share = {m: helped / chunks for m, (chunks, helped)
+             in moved(KERNEL_CHUNKS_METRIC, HELPER_CHUNKS_METRIC).items()}
+    return Breakdown(tokens, wall_s, dict(cpu), busy, share,
+                     moved(DRAFT_METRIC, ACCEPTED_METRIC))
 
 
 def format_breakdown(b: Breakdown, cores: int) -> str:

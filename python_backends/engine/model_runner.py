@@ -82,16 +82,9 @@ class ModelRunner:
             input_ids.extend(item.draft)
             positions.append(torch.arange(start, end))
             slot_mapping.append(self._slots(seq, start, end))
-            if item.draft:  # one decode row per position, each over the context up to it
+            if n == 1 or item.draft:  # a decode row per position, over the context up to it
                 decode_index.extend(range(t, t + n))
                 decodes.extend((seq, start + 1 + i) for i in range(n))
-                logits_index.extend(range(t, t + n))
-                sampling.extend([seq] * n)
-                t += n
-                continue
-            if n == 1:
-                decode_index.append(t)
-                decodes.append((seq, start + 1))
             else:
                 if start > 0:
                     prefills.append(PrefillSpan(t, t + n, end, self._slots(seq, 0, end),
@@ -99,9 +92,10 @@ class ModelRunner:
                 else:
                     prefills.append(PrefillSpan(t, t + n, end, torch.empty(0, dtype=torch.long)))
             t += n
-            if item.samples:
-                logits_index.append(t - 1)
-                sampling.append(seq)
+            if item.samples:  # the last known token's logits, and each draft token's
+                rows = range(t - 1 - len(item.draft), t)
+                logits_index.extend(rows)
+                sampling.extend([seq] * len(rows))
         decode = None
         if decodes:
             lens = [n_ctx for _, n_ctx in decodes]

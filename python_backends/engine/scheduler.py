@@ -70,8 +70,6 @@ class Scheduler:
         drafts for greedy decoding sequences (default: off; see engine.speculative)."""
         self.limits = limits
         self.speculation = speculation or SpeculationConfig()
-        self._ngram_lengths = tuple(range(self.speculation.ngram_max,
-                                          self.speculation.ngram_min - 1, -1))
         self.num_draft_tokens = 0  # since start: speculative tokens computed
         self.num_accepted_tokens = 0  # since start: of those, kept (confirmed by the model)
         self.blocks = blocks
@@ -178,7 +176,7 @@ class Scheduler:
         if not spec.enabled or not p.greedy or p.needs_logits_processing or seq.prefill_only:
             return ()
         if seq.ngrams is None:
-            seq.ngrams = NgramIndex(self._ngram_lengths)
+            seq.ngrams = NgramIndex(spec.ngram_lengths)
         room = min(p.max_tokens - seq.num_output_tokens,
                    self.limits.max_seq_len - seq.num_tokens) - 1
         longest = spec.num_tokens if seq.draft_limit is None else seq.draft_limit
@@ -219,12 +217,12 @@ class Scheduler:
             self.num_prompt_tokens_computed += max(
                 0, min(seq.num_computed_tokens, seq.num_prompt_tokens) - before
             )
-            if not samples:
-                self.prefix.cache_computed(seq)
-                continue
-            drawn, reason = self._append(seq, item.draft, result, i)
-            i += 1 + len(item.draft)
+            if samples:  # the drafts the model confirms are computed too
+                drawn, reason = self._append(seq, item.draft, result, i)
+                i += 1 + len(item.draft)
             self.prefix.cache_computed(seq)
+            if not samples:
+                continue
             sampled.append((seq, drawn))
             if seq.first_token_time is None:
                 seq.first_token_time = time.monotonic()

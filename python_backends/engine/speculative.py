@@ -38,6 +38,11 @@ class SpeculationConfig:
     def enabled(self) -> bool:
         return self.num_tokens > 0
 
+    @property
+    def ngram_lengths(self) -> tuple[int, ...]:
+        """The n-gram lengths looked up, longest first."""
+        return tuple(range(self.ngram_max, self.ngram_min - 1, -1))
+
 
 @dataclass
 class NgramIndex:
