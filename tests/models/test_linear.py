@@ -33,11 +33,12 @@ def helper(ops):
 # (rows, in_features, out_features): one token to prompt-sized, output features that fill no
 # whole panel, that leave a partial last panel, and many panels (the work splits into chunks);
 # from AMX_ROWS rows on AMX tiles where the CPU has them: row counts that fill no whole tile
-# pair, and in_features that fill no whole tile.
+# pair, and in_features that fill no whole tile; rows in several blocks (their pieces over a
+# megabyte: 112 rows a block at 1536 in_features) with a short last one.
 AMX_ROWS = 48
 SHAPES = [(1, 64, 96), (5, 64, 7), (12, 576, 960), (13, 1536, 576), (40, 576, 4099),
           (1, 576, 49152), (AMX_ROWS, 576, 960), (65, 100, 70), (130, 1536, 576),
-          (200, 40, 33)]
+          (200, 40, 33), (700, 1536, 100)]
 CPU_FLAGS = next((line.split(":", 1)[1].split()
                   for line in Path("/proc/cpuinfo").read_text().splitlines()
                   if line.startswith("flags")), [])
@@ -57,7 +58,7 @@ def test_prompt_sized_calls_compute_on_amx_where_the_cpu_has_it(ops):
     assert ops.linear_amx() == ("amx_bf16" in CPU_FLAGS and "avx512_bf16" in CPU_FLAGS)
 
 
-@pytest.mark.parametrize("rows", [9, AMX_ROWS + 3])
+@pytest.mark.parametrize("rows", [9, AMX_ROWS + 3, 600])
 def test_results_do_not_depend_on_who_computed_them(ops, helper, rows):
     """Chunks are computed by the caller or the helper with the same code: bit for bit equal,
     with the helper on, off, and whatever share it happened to take."""
@@ -69,6 +70,20 @@ def test_results_do_not_depend_on_who_computed_them(ops, helper, rows):
     ops.set_idle_helper(True)
     for _ in range(20):
         assert torch.equal(ops.linear(x, w, 3000), alone)
+
+
+def test_a_weight_packed_again_in_place_is_read_anew(ops, helper):
+    """A thread splits the next chunk's first panel ahead (csrc/linear.cpp, SplitPanels): never
+    into a later call, even one reading the same memory with new weights in it."""
+    kernel = kernels.native_linear()
+    assert kernel is not None
+    x = torch.randn(AMX_ROWS + 16, 576)
+    packed = kernel.pack(torch.zeros(3000, 576))
+    for seed in range(3):
+        w = torch.randn(3000, 576, generator=torch.Generator().manual_seed(seed)) / 24
+        kernel.pack(w, out=packed)
+        torch.testing.assert_close(kernel.op(x, packed, 3000).double(), x.double() @ w.double().T,
+                                   rtol=0, atol=2e-5)
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="the helper needs a second CPU")

@@ -8,16 +8,21 @@
 //   a * b = a0 b0 + (a0 b1 + a1 b0) + (a0 b2 + a1 b1 + a2 b0) + [a1 b2 + a2 b1 + a2 b2]
 // where the bracket is below 2^-23 of |a b|: float32's own rounding. Six bfloat16 products per
 // float32 product, each exact in float32, summed in float32 by the tiles: the same precision as
-// the AVX-512 kernel (tests/models/test_linear.py holds both to float64 references). Every
-// projection of the default model on one core: 128 tokens 251 -> 173 ms, 512 tokens 935 -> 634.
+// the AVX-512 kernel (tests/models/test_linear.py holds both to float64 references).
 // Below 48 tokens (linear.cpp's kAmxRows) calls stay on the AVX-512 kernel: they are bound by
 // reading the weights, which the split does not shorten, and splitting them costs as much as the
 // products.
 //
-// The weights stay float32 (linear.cpp's panels); each chunk splits its panels into a small
-// scratch that stays in L2 while every row tile passes over it. Tile loads from L2 bound the
-// products at about a third of the tiles' peak (oneDNN's bfloat16 GEMM reaches ~1.2 of 3.2
-// TFLOP/s here too).
+// The weights stay float32 (linear.cpp's panels). A thread splits the panel after the one it
+// computes between that one's tile products (the vector units split while the tiles multiply),
+// into an L2 scratch every row tile passes over; the rows come in blocks whose pieces stay in L2
+// (linear.cpp). What mattered, measured on every projection of the default model on one core
+// (float32 AVX-512 kernel -> AMX first version -> now): 128 tokens 251 -> 135 -> 111 ms, 2048
+// tokens 2607 ms (first version) -> 1644: operand tiles 64-byte aligned and contiguous (a tile
+// whose rows straddle cache lines loads at half speed), each operand's next load placed after
+// the last product that reads it, the split overlapped, and row blocks. The products run at
+// about 60% of the tiles' peak (3.2 TFLOP/s a core here, ~70% the best a loop of 2 x 2 tiles
+// with operands in L1 reached).
 #pragma once
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
@@ -74,12 +79,14 @@ inline void split(__m512 v, __m512 (&piece)[kPieces]) {
   }
 }
 
-// x [T, K] row-major -> pieces [3][Tp][Kp] bfloat16, rows padded to Tp (a multiple of 16) and
-// k to Kp (a multiple of 32) with zeros: the A operands of every tile product.
+// x [T, K] row-major -> pieces [3][Tp / 16][Kp / 32][16 rows][32 k] bfloat16, rows padded to Tp
+// (a multiple of 16) and k to Kp (a multiple of 32) with zeros: the A operands of every tile
+// product, each tile's kilobyte contiguous (tile loads striding across rows ran ~10% slower).
 inline void split_rows(const float* x, int64_t T, int64_t K, uint16_t* out, int64_t Tp,
                        int64_t Kp) {
   const int64_t plane = Tp * Kp;
   for (int64_t t = 0; t < Tp; ++t) {
+    uint16_t* row = out + (t / RT) * (RT * Kp) + (t % RT) * KT;
     for (int64_t k = 0; k < Kp; k += KT) {
       __m512 half[2][kPieces];
       for (int h = 0; h < 2; ++h) {
@@ -90,7 +97,8 @@ inline void split_rows(const float* x, int64_t T, int64_t K, uint16_t* out, int6
       }
       for (int p = 0; p < kPieces; ++p) {
         const __m512bh both = _mm512_cvtne2ps_pbh(half[1][p], half[0][p]);  // exact
-        _mm512_storeu_si512(out + p * plane + t * Kp + k, reinterpret_cast<const __m512i&>(both));
+        _mm512_store_si512(row + p * plane + (k / KT) * (RT * KT),
+                           reinterpret_cast<const __m512i&>(both));
       }
     }
   }
@@ -98,32 +106,46 @@ inline void split_rows(const float* x, int64_t T, int64_t K, uint16_t* out, int6
 
 // One panel of the packed weight ([K, 32] float32: 32 output features) -> pieces in the
 // layout AMX's B operand takes: [3][2 column tiles][Kp / 32][16 pairs of k][16 columns x 2].
-inline void split_panel(const float* panel, int64_t K, int64_t Kp, uint16_t* out) {
-  const int64_t per_piece = 2 * Kp * 16;  // uint16 per piece: 2 tiles of Kp x 16
-  const __m512i top = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  for (int64_t k = 0; k < Kp; k += 2) {
-    for (int g = 0; g < 2; ++g) {
-      __m512 even[kPieces], odd[kPieces];
-      split(k < K ? _mm512_loadu_ps(panel + k * 32 + 16 * g) : _mm512_setzero_ps(), even);
-      split(k + 1 < K ? _mm512_loadu_ps(panel + (k + 1) * 32 + 16 * g) : _mm512_setzero_ps(),
-            odd);
-      // pair r = k / 2 % 16 of k-tile k / 32: (even, odd) bfloat16 per column, 32 bits each.
-      uint16_t* row = out + g * (Kp * 16) + (k / KT) * (RT * 32) + (k / 2 % RT) * 32;
-      for (int p = 0; p < kPieces; ++p) {
-        const __m512i lo = _mm512_srli_epi32(_mm512_castps_si512(even[p]), 16);
-        const __m512i hi = _mm512_and_si512(_mm512_castps_si512(odd[p]), top);
-        _mm512_storeu_si512(row + p * per_piece, _mm512_or_si512(lo, hi));
+// Split in steps (pairs of k [k0, k1), both even) so that the next panel's split can run
+// between the current panel's tile products (see panel_product).
+struct PanelSplit {
+  const float* panel = nullptr;  // none: nothing to split
+  int64_t K = 0, Kp = 0;
+  uint16_t* out = nullptr;
+
+  void rows(int64_t k0, int64_t k1) const {
+    if (panel == nullptr) return;
+    const int64_t per_piece = 2 * Kp * 16;  // uint16 per piece: 2 tiles of Kp x 16
+    const __m512i top = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+    for (int64_t k = k0; k < k1; k += 2) {
+      for (int g = 0; g < 2; ++g) {
+        __m512 even[kPieces], odd[kPieces];
+        split(k < K ? _mm512_loadu_ps(panel + k * 32 + 16 * g) : _mm512_setzero_ps(), even);
+        split(k + 1 < K ? _mm512_loadu_ps(panel + (k + 1) * 32 + 16 * g) : _mm512_setzero_ps(),
+              odd);
+        // pair r = k / 2 % 16 of k-tile k / 32: (even, odd) bfloat16 per column, 32 bits each.
+        uint16_t* row = out + g * (Kp * 16) + (k / KT) * (RT * 32) + (k / 2 % RT) * 32;
+        for (int p = 0; p < kPieces; ++p) {
+          const __m512i lo = _mm512_srli_epi32(_mm512_castps_si512(even[p]), 16);
+          const __m512i hi = _mm512_and_si512(_mm512_castps_si512(odd[p]), top);
+          _mm512_store_si512(row + p * per_piece, _mm512_or_si512(lo, hi));
+        }
       }
     }
   }
-}
+  void all() const { rows(0, Kp); }
+};
 
-// dst[0:T, 0:cols] = x . panel for one panel split by split_panel (b) against the row pieces
-// (a, from split_rows); dst's rows ld floats apart. Tiles: 4 accumulators (2 row tiles x 2
-// column tiles), 2 row operands, 2 column operands.
+// dst[0:T, 0:cols] = x . panel for one panel split by PanelSplit (b, 64-byte aligned) against
+// the row pieces (a, from split_rows); dst's rows ld floats apart. `next` splits the following
+// panel a slice at a time between the products: the tiles compute while the vector units split.
+// Tiles: 4 accumulators (2 row tiles x 2 column tiles), 2 row operands, 2 column operands.
 inline void panel_product(const uint16_t* a, int64_t T, int64_t Tp, int64_t Kp,
-                          const uint16_t* b, float* dst, int64_t ld, int64_t cols) {
-  const int64_t plane = Tp * Kp, per_piece = 2 * Kp * 16, a_stride = Kp * 2;
+                          const uint16_t* b, float* dst, int64_t ld, int64_t cols,
+                          const PanelSplit& next) {
+  const int64_t plane = Tp * Kp, per_piece = 2 * Kp * 16, kts = Kp / KT;
+  const int64_t steps = (Tp + 2 * RT - 1) / (2 * RT) * kts;
+  int64_t step = 0, split_to = 0;
   alignas(64) float edge[2 * RT][32];
   for (int64_t t = 0; t < Tp; t += 2 * RT) {
     const bool two = t + RT < Tp;  // a second row tile (Tp is a multiple of 16)
@@ -131,24 +153,29 @@ inline void panel_product(const uint16_t* a, int64_t T, int64_t Tp, int64_t Kp,
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
-    for (int64_t kt = 0; kt < Kp / KT; ++kt) {
-      // Each x piece once, against the w pieces it pairs with: 18 tile loads for 24 products.
+    const uint16_t* at = a + (t / RT) * (RT * Kp);
+    for (int64_t kt = 0; kt < kts; ++kt) {
+      // Each x piece once, against the w pieces it pairs with: 18 tile loads for 24 products,
+      // each operand tile's next load placed after the products that read it last.
       for (int pa = 0; pa < kPieces; ++pa) {
-        const uint16_t* ap = a + pa * plane + t * Kp + kt * KT;
-        _tile_loadd(4, ap, a_stride);
-        if (two) _tile_loadd(5, ap + RT * Kp, a_stride);
+        const uint16_t* ap = at + pa * plane + kt * (RT * KT);
         for (int pb = 0; pa + pb < kPieces; ++pb) {
           const uint16_t* bp = b + pb * per_piece + kt * RT * 32;
           _tile_loadd(6, bp, 64);
-          _tile_loadd(7, bp + Kp * 16, 64);
+          if (pb == 0) _tile_loadd(4, ap, 64);
           _tile_dpbf16ps(0, 4, 6);
-          _tile_dpbf16ps(1, 4, 7);
           if (two) {
+            if (pb == 0) _tile_loadd(5, ap + RT * Kp, 64);
             _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
           }
+          _tile_loadd(7, bp + Kp * 16, 64);
+          _tile_dpbf16ps(1, 4, 7);
+          if (two) _tile_dpbf16ps(3, 5, 7);
         }
       }
+      const int64_t upto = Kp * ++step / steps / 2 * 2;
+      next.rows(split_to, upto);
+      split_to = upto;
     }
     const int64_t rows = std::min<int64_t>(two ? 2 * RT : RT, T - t);
     if (rows == 2 * RT && cols == 32) {  // whole tiles straight into place
@@ -167,6 +194,7 @@ inline void panel_product(const uint16_t* a, int64_t T, int64_t Tp, int64_t Kp,
     for (int64_t r = 0; r < rows; ++r)
       std::memcpy(dst + (t + r) * ld, edge[r], cols * sizeof(float));
   }
+  next.rows(split_to, Kp);
 }
 
 }  // namespace llm::amx

@@ -27,12 +27,14 @@
 namespace llm {
 namespace {
 
-// A chunk's life. The counter hands each chunk to one thread; a helper's chunk goes
-// FREE -> CLAIMED -> WRITING -> DONE, unless the caller moves it from FREE or CLAIMED to TAKEN
-// (and computes it itself). The caller's own chunks go straight to DONE.
-enum State : uint8_t { FREE, CLAIMED, WRITING, DONE, TAKEN };
+// A chunk's life. The caller claims chunks from the front (FREE -> MINE -> DONE), the helper from
+// the back (FREE -> CLAIMED -> WRITING -> DONE), each until it meets the other's, so both compute
+// runs of neighbouring chunks (linear.cpp prepares a chunk's neighbour during it). The caller
+// moves a helper's chunk from FREE or CLAIMED to TAKEN when it takes it back.
+enum State : uint8_t { FREE, MINE, CLAIMED, WRITING, DONE, TAKEN };
 
 std::atomic<bool> g_enabled{true};
+thread_local bool t_on_helper = false;
 std::atomic<int64_t> g_chunks{0};
 std::atomic<int64_t> g_helped{0};
 std::atomic<int64_t> g_taken_back{0};
@@ -49,7 +51,8 @@ struct Slot {
   Job job;
   std::unique_ptr<std::atomic<uint8_t>[]> state;
   int64_t capacity = 0;
-  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> next{0};   // the caller takes chunks from the front,
+  std::atomic<int64_t> back{-1};  // the helper from the back: each a run of neighbours
   std::atomic<int> users{0};
 
   void reset(Job&& j) {
@@ -60,6 +63,7 @@ struct Slot {
     }
     for (int64_t i = 0; i < job.chunks; ++i) state[i].store(FREE, std::memory_order_relaxed);
     next.store(0, std::memory_order_relaxed);
+    back.store(job.chunks - 1, std::memory_order_relaxed);
   }
 };
 
@@ -135,6 +139,7 @@ class Helper {
 
   void loop() {
     pthread_setname_np(pthread_self(), "llm-idle-helper");
+    t_on_helper = true;
     sched_param param{};
     if (sched_setscheduler(0, SCHED_IDLE, &param) != 0) {
       setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), 19);
@@ -164,10 +169,10 @@ class Helper {
   static void work(Slot& slot, std::vector<float>& scratch) {  // float: aligned for any dtype
     const Job& job = slot.job;
     for (;;) {
-      const int64_t c = slot.next.fetch_add(1);
-      if (c >= job.chunks) return;
+      const int64_t c = slot.back.fetch_sub(1);
+      if (c < 0) return;
       uint8_t expected = FREE;
-      if (!slot.state[c].compare_exchange_strong(expected, CLAIMED)) continue;
+      if (!slot.state[c].compare_exchange_strong(expected, CLAIMED)) return;  // the caller's
       const Block b = job.place(c);
       scratch.resize(static_cast<size_t>((b.rows * b.row_bytes + 3) / 4));
       char* mine = reinterpret_cast<char*>(scratch.data());
@@ -214,6 +219,8 @@ void run(Job job) {
     for (;;) {
       const int64_t c = slot.next.fetch_add(1);
       if (c >= j.chunks) break;
+      uint8_t expected = FREE;
+      if (!slot.state[c].compare_exchange_strong(expected, MINE)) break;  // the helper's from here
       compute_in_place(j, c);
       slot.state[c].store(DONE, std::memory_order_relaxed);
     }
@@ -243,6 +250,8 @@ void run(Job job) {
 }
 
 bool set_helper_enabled(bool enabled) { return g_enabled.exchange(enabled); }
+
+bool on_helper() { return t_on_helper; }
 
 HelperStats helper_stats() { return {g_chunks.load(), g_helped.load(), g_taken_back.load()}; }
 

@@ -43,6 +43,9 @@ struct Job {
 // Runs `job` on the calling thread and the helper; returns when every chunk is in place.
 void run(Job job);
 
+// Whether the calling thread is the helper (it takes a job's chunks from the last one down).
+bool on_helper();
+
 // Whether calls may use the helper (default: yes, with more than one CPU). Returns the old value.
 bool set_helper_enabled(bool enabled);
 
