@@ -16,13 +16,13 @@
 // The weights stay float32 (linear.cpp's panels). A thread splits the panel after the one it
 // computes between that one's tile products (the vector units split while the tiles multiply),
 // into an L2 scratch every row tile passes over; the rows come in blocks whose pieces stay in L2
-// (linear.cpp). What mattered, measured on every projection of the default model on one core
-// (float32 AVX-512 kernel -> AMX first version -> now): 128 tokens 251 -> 135 -> 111 ms, 2048
-// tokens 2607 ms (first version) -> 1644: operand tiles 64-byte aligned and contiguous (a tile
-// whose rows straddle cache lines loads at half speed), each operand's next load placed after
-// the last product that reads it, the split overlapped, and row blocks. The products run at
-// about 60% of the tiles' peak (3.2 TFLOP/s a core here, ~70% the best a loop of 2 x 2 tiles
-// with operands in L1 reached).
+// (linear.cpp). Every projection of the default model on one core, the first version of this
+// kernel -> now, measured in one sitting: 128 tokens 128 -> 119 ms, 512 451 -> 390, 2048 2558 ->
+// 1645 (the first streamed the pieces of all rows from L3 for every panel). What mattered:
+// operand tiles 64-byte aligned and contiguous (a tile whose rows straddle cache lines loads at
+// half speed), each operand's next load placed after the last product that reads it, the split
+// overlapped, and row blocks. The products run at 55-65% of the tiles' peak (3.2 TFLOP/s a core
+// here; a loop of 2 x 2 tiles with every operand in L1 reached ~70%).
 #pragma once
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)

@@ -181,11 +181,15 @@ void decode_heads(const float* q, const float* keys, const float* values, const 
           acc[g][i] = vec{};
         }
       }
+      // Slot t's row of this KV head from `base` (keys or values), prefetching kAhead on.
+      auto load_row = [&](const float* base, int64_t t, vec(&out)[DV]) {
+        if (t + kAhead < n) prefetch_row(base + row[t + kAhead] * KD + kh * D, D);
+        const float* r = base + row[t] * KD + kh * D;
+        for (int i = 0; i < DV; ++i) out[i] = llm::load(r + i * llm::VL);
+      };
       for (int64_t t = 0; t < n; ++t) {
-        if (t + kAhead < n) prefetch_row(keys + row[t + kAhead] * KD + kh * D, D);
-        const float* k = keys + row[t] * KD + kh * D;
         vec kv[DV];
-        for (int i = 0; i < DV; ++i) kv[i] = llm::load(k + i * llm::VL);
+        load_row(keys, t, kv);
         for (int g = 0; g < HG; ++g) {
           if (g >= m) break;
           vec a = vec{};
@@ -199,10 +203,8 @@ void decode_heads(const float* q, const float* keys, const float* values, const 
       for (int g = 0; g < m; ++g)
         total[g] = Vectorized::exps(s.scores.data() + (h0 + g) * n, n, top[g]);
       for (int64_t t = 0; t < n; ++t) {
-        if (t + kAhead < n) prefetch_row(values + row[t + kAhead] * KD + kh * D, D);
-        const float* v = values + row[t] * KD + kh * D;
         vec vv[DV];
-        for (int i = 0; i < DV; ++i) vv[i] = llm::load(v + i * llm::VL);
+        load_row(values, t, vv);
         for (int g = 0; g < HG; ++g) {
           if (g >= m) break;
           const float p = s.scores[(h0 + g) * n + t];
