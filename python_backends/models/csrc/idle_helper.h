@@ -4,9 +4,10 @@
 // the stubs and the client (docs/engines.md, "CPU threads"): a second OpenMP thread would stall
 // every parallel region whenever another process took its core. The helper here is scheduled
 // SCHED_IDLE, so it runs only when a core would otherwise idle, and it can never hold the caller
-// up: a call's work is cut into chunks that both threads take from one counter; the caller writes
-// its chunks in place, the helper computes into scratch and copies a chunk out only if the caller
-// has not taken it back meanwhile. When the caller runs out of chunks it takes back every chunk
+// up: a call's work is cut into chunks, the caller taking them from the first up and the helper
+// from the last down (each computes a run of neighbours); the caller writes its chunks in place,
+// the helper computes into scratch and copies a chunk out only if the caller has not taken it
+// back meanwhile. When the caller runs out of chunks it takes back every chunk
 // the helper has not finished (and computes it itself), waiting only for a copy in progress. Every
 // chunk is computed by the same code whoever runs it, so results do not depend on the split.
 //
