@@ -118,9 +118,7 @@ struct SplitPanels {
     which = w;
   }
 };
-#endif
 
-#ifdef LLM_AMX
 // Memory for a call's row pieces (int16): the calling thread's last call's again unless a helper
 // still holds it. Written into cache-warm memory rather than fresh pages every call: the pieces
 // of ~250 rows are 0.9 MB a projection, 100 MB a step of the default model.
@@ -200,7 +198,7 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n) {
     flops_per_s = 6 * 150e9;  // six bfloat16 products for each float32 one
     static std::atomic<uint64_t> calls{0};
     const uint64_t call = ++calls;
-    const int64_t B = block_rows;
+    const int64_t B = block_rows, end = row_blocks * P;  // panels of all blocks
     compute = [=](int64_t t0, int64_t p0, int64_t p1, float* dst, int64_t ld) {
       llm::amx::configure_thread();
       thread_local SplitPanels split;
@@ -211,7 +209,6 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n) {
       // numbered across row blocks: g = block * P + panel.
       const bool down = llm::on_helper();
       const int64_t step = down ? -1 : 1, g0 = t0 / B * P + (down ? p1 - 1 : p0);
-      const int64_t end = (T + B - 1) / B * P;
       int cur = split.holds(call, g0);
       if (cur < 0) {
         cur = 0;
