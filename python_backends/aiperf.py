@@ -23,6 +23,14 @@ TEMPLATE = ('{"text_input": {{ text|tojson }}, "max_tokens": {{ max_tokens }}, '
             '"stream": {{ stream|tojson }}, "end_id": -1, "exclude_input_in_output": true}')
 
 
+# aiperf 0.13 with --concurrency alone ("burst" timing) polls for a free slot in a loop that only
+# yields to its event loop: its timing_manager process took 0.8 of this 2-core machine's cores for
+# the whole of a concurrency-32 run, CPU the server under test then lacks. Adding a constant
+# request rate makes it sleep between looks: at 100/s a freed slot is refilled within 10 ms (a
+# request here takes 1-15 s), 32 slots fill in 0.32 s, and the looks cost a few % of a core.
+PACE_HZ = 100.0
+
+
 class AiperfError(RuntimeError):
     pass
 
@@ -64,18 +72,35 @@ class Target:
         return cls(name, url, model, ("--endpoint-type", endpoint, *extra))
 
 
-def profile(aiperf: str, target: Target, *, concurrency: int, requests: int, prompt_tokens: int,
+def command(aiperf: str, target: Target, *, concurrency: int, requests: int, prompt_tokens: int,
             output_tokens: int, tokenizer: Path, artifacts: Path,
+            pace_hz: float = PACE_HZ) -> list[str]:
+    """aiperf's command line for one run (see `profile`)."""
+    if pace_hz < 0:
+        raise ValueError(f"pace_hz must be >= 0, got {pace_hz}")
+    pacing = ("--request-rate", f"{pace_hz:g}", "--request-rate-mode", "constant")
+    return [aiperf, "profile", "--url", target.url, "-m", target.model,
+            "--streaming", "--ui", "none", "--no-server-metrics",
+            "--isl", str(prompt_tokens), "--osl", str(output_tokens),
+            "--concurrency", str(concurrency), "--request-count", str(requests),
+            *(pacing if pace_hz > 0 else ()),
+            "--tokenizer", str(tokenizer), "--artifact-dir", str(artifacts), "--random-seed", "1",
+            *target.endpoint_args]
+
+
+def profile(aiperf: str, target: Target, *, concurrency: int, requests: int, prompt_tokens: int,
+            output_tokens: int, tokenizer: Path, artifacts: Path, pace_hz: float = PACE_HZ,
             timeout_s: float = 1800.0) -> dict[str, Any]:
     """One aiperf run (streaming, fixed prompt/output lengths, no warm-up, so the server's own
     histograms see exactly these requests); returns aiperf's summary (profile_export_aiperf.json:
-    per metric a dict of avg/p50/p95/...; latencies in ms)."""
-    cmd = [aiperf, "profile", "--url", target.url, "-m", target.model,
-           "--streaming", "--ui", "none", "--no-server-metrics",
-           "--isl", str(prompt_tokens), "--osl", str(output_tokens),
-           "--concurrency", str(concurrency), "--request-count", str(requests),
-           "--tokenizer", str(tokenizer), "--artifact-dir", str(artifacts), "--random-seed", "1",
-           *target.endpoint_args]
+    per metric a dict of avg/p50/p95/...; latencies in ms).
+
+    `pace_hz` > 0: aiperf looks for a free concurrency slot that many times a second (a constant
+    `--request-rate` capped by `--concurrency`); 0: aiperf's plain concurrency mode, whose timing
+    process polls for a free slot without sleeping (see PACE_HZ)."""
+    cmd = command(aiperf, target, concurrency=concurrency, requests=requests,
+                  prompt_tokens=prompt_tokens, output_tokens=output_tokens, tokenizer=tokenizer,
+                  artifacts=artifacts, pace_hz=pace_hz)
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired as e:

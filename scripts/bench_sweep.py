@@ -7,7 +7,9 @@ optionally a peer OpenAI-compatible server with the same aiperf workload in the 
 prints each level's figures and the ratios to the peer. The peer is either started here
 (`--peer vllm`: vLLM for CPU from .venv-vllm on the engine's weights in float32, set up on first
 use; python_backends/peer.py) or given (`--peer-url`). `--rounds N` measures every level N
-times, the targets interleaved level by level, so drift shows. For our server it also reads the
+times, the targets interleaved level by level, so drift shows. aiperf refills a freed
+concurrency slot within 1/--pace-hz seconds instead of polling for it without sleeping (its
+plain concurrency mode takes most of a core on a small machine). For our server it also reads the
 server's own TTFT histogram over each level and prints it against aiperf's (they measure the
 same thing from two ends), and with `--breakdown` where a token's time goes (CPU per process,
 the engine loop's phases; python_backends/breakdown.py).
@@ -34,7 +36,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from python_backends.aiperf import AiperfError, Target, find_aiperf, profile
+from python_backends.aiperf import PACE_HZ, AiperfError, Target, find_aiperf, profile
 from python_backends.breakdown import breakdown, format_breakdown, server_pid, snapshot
 from python_backends.client import histogram_mean, scrape
 from python_backends.config import DEFAULT_ENGINE_DIR
@@ -135,6 +137,11 @@ def _parser() -> argparse.ArgumentParser:
                     "on this host")
     ap.add_argument("--out-dir", type=Path, default=Path("bench-results"))
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per aiperf run")
+    ap.add_argument("--pace-hz", type=float, default=PACE_HZ,
+                    help="how often a second aiperf looks for a free concurrency slot (a constant "
+                         "request rate capped by the concurrency); 0: aiperf's plain concurrency "
+                         "mode, which polls without sleeping and takes most of a core "
+                         "(python_backends/aiperf.py)")
     return ap
 
 
@@ -163,10 +170,11 @@ def _measure(args: argparse.Namespace, aiperf: str, target: Target, c: int, tmp:
         result = profile(aiperf, target, concurrency=c, requests=n,
                          prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens,
                          tokenizer=args.engine, artifacts=tmp / f"{target.name}-c{c}-{time.time()}",
-                         timeout_s=args.timeout)
+                         pace_hz=args.pace_hz, timeout_s=args.timeout)
     except AiperfError as e:
         raise SystemExit(str(e)) from e
     row = row_of(target.name, c, result)
+    row["aiperf_pace_hz"] = args.pace_hz
     after = snapshot(pid, metrics_url) if snap is not None and pid and metrics_url else None
     if metrics_url:  # (one scrape for both the TTFT and the breakdown)
         row["server_ttft_avg_ms"] = server_ttft_mean_ms(
