@@ -10,6 +10,7 @@ import torch
 
 from python_backends.config import EngineConfig
 from python_backends.engine.loader import kv_layout
+from python_backends.engine.sampler import argmax_only
 from python_backends.engine.scheduler import ScheduledSequence, SchedulerOutput
 from python_backends.engine.sequence import Sequence
 from python_backends.kv_transfer.layout import allocate_pool
@@ -109,6 +110,7 @@ class ModelRunner:
             prefills=tuple(prefills),
             decode=decode,
             logits_index=torch.tensor(logits_index, dtype=torch.long),
+            argmax_only=bool(sampling) and all(argmax_only(s.params) for s in sampling),
         )
         return torch.tensor(input_ids, dtype=torch.long), meta, sampling
 

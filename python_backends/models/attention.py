@@ -60,6 +60,9 @@ class AttentionMetadata:
     prefills: tuple[PrefillSpan, ...]
     decode: DecodeBatch | None
     logits_index: torch.Tensor  # [N] tokens whose logits are sampled
+    # Every sampled row wants only its greedy token (no log-probabilities, penalties or bans):
+    # the model may return the argmax instead of the logits (models.greedy_head).
+    argmax_only: bool = False
 
     @classmethod
     def one_prompt(cls, n: int) -> AttentionMetadata:
@@ -79,6 +82,7 @@ class AttentionMetadata:
             prefills=tuple(p.to(device) for p in self.prefills),
             decode=self.decode.to(device) if self.decode is not None else None,
             logits_index=_to(self.logits_index, device),
+            argmax_only=self.argmax_only,
         )
 
 

@@ -29,6 +29,7 @@ from python_backends.config import ModelConfig, RopeScaling
 from python_backends.host_memory import huge_page_empty
 from python_backends.models import kernels
 from python_backends.models.attention import AttentionMetadata, paged_attention, write_kv
+from python_backends.models.greedy_head import GreedyHead
 from python_backends.parallel.context import ParallelContext
 from python_backends.parallel.layers import (
     ColumnParallelLinear,
@@ -229,12 +230,18 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Last stage: logits [N, V] (float32) of the tokens in `meta.logits_index`; earlier
-        stages: hidden states [T, E] for the next stage."""
+        """Last stage: logits [N, V] (float32) of the tokens in `meta.logits_index`, or, where
+        `meta.argmax_only` and the head screens (`greedy_head`), their argmax [N] (int64);
+        earlier stages: hidden states [T, E] for the next stage."""
         hidden = self.model(x, meta)
         if self.lm_head is None:
             return hidden
-        return self.lm_head(hidden[meta.logits_index]).float()
+        rows = hidden[meta.logits_index]
+        if meta.argmax_only and self.greedy_head is not None:
+            tokens = self.greedy_head.tokens(rows)
+            if tokens is not None:
+                return tokens
+        return self.lm_head(rows).float()
 
     # Projections that keep their float weights in an int8 engine: their inputs have outliers
     # that one int8 scale per call cannot hold (the MLP's down projection, after SiLU x up) or
@@ -258,6 +265,7 @@ class LlamaForCausalLM(nn.Module):
 
     one_token_plain = False  # one-token steps read the plain float32 weights (pack_linears)
     native_linears = False  # projections compute with the native float32 kernel (pack_linears)
+    greedy_head: GreedyHead | None = None  # argmax-only steps screen the LM head (pack_linears)
 
     def pack_linears(self, keep_plain: bool | None = None, native: bool | None = None) -> int:
         """Pre-pack every projection (CPU); returns how many were packed.
@@ -277,6 +285,8 @@ class LlamaForCausalLM(nn.Module):
             native = torch.get_num_threads() == 1
         kernel = kernels.native_linear() if native and float32 and on_cpu else None
         if kernel is not None:
+            if self.lm_head is not None and self.ctx.layout.world_size == 1:
+                self.greedy_head = GreedyHead.build(self.lm_head.weight)  # before it is packed
             # One huge-page mapping for all of them, in the order a step reads them.
             numels = [math.prod(kernel.packed_shape(*m.weight.shape)) for m in linears]
             arena = huge_page_empty(sum(numels), torch.float32)
@@ -286,7 +296,8 @@ class LlamaForCausalLM(nn.Module):
                               kernel.op)
             self.native_linears = True
             log.info("projections: native float32 kernel on the engine thread and an idle-CPU "
-                     "helper")
+                     "helper; greedy rows' LM head %s", "screened (models.greedy_head)"
+                     if self.greedy_head is not None else "in full")
             return len(linears)
         try_plain = float32 and keep_plain is not False
         packed = [m for m in linears if m.pack(keep_plain=try_plain)]

@@ -1,8 +1,9 @@
 import math
 
+import pytest
 import torch
 
-from python_backends.engine.sampler import process_logits, sample
+from python_backends.engine.sampler import argmax_only, process_logits, sample
 from python_backends.engine.sequence import Sequence
 from python_backends.params import SamplingParams
 
@@ -31,6 +32,24 @@ def test_greedy_batch_picks_argmax_first_index_on_ties() -> None:
     logits[3, 5] = logits[3, 7] = float("inf")
     seqs = [seq(SamplingParams(max_tokens=4)) for _ in range(16)]
     assert sample(seqs, logits).token_ids == logits.argmax(-1).tolist()
+
+
+def test_tokens_the_model_chose_are_taken_as_they_are() -> None:
+    seqs = [seq(SamplingParams(max_tokens=4)) for _ in range(3)]
+    r = sample(seqs, torch.tensor([7, 0, 49151]))
+    assert r.token_ids == [7, 0, 49151] and r.logprobs is None
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=4, return_log_probs=True),
+    SamplingParams(max_tokens=4, temperature=0.7),
+    SamplingParams(max_tokens=4, repetition_penalty=1.2),
+])
+def test_rows_that_need_logits_are_not_argmax_only(params: SamplingParams) -> None:
+    assert argmax_only(SamplingParams(max_tokens=4))
+    assert not argmax_only(params)
+    with pytest.raises(ValueError, match="need their logits"):
+        sample([seq(SamplingParams(max_tokens=4)), seq(params)], torch.tensor([1, 2]))
 
 
 def test_top_k_one_is_greedy_even_with_temperature() -> None:

@@ -140,6 +140,9 @@ struct PanelSplit {
 // the row pieces (a, from split_rows); dst's rows ld floats apart. `next` splits the following
 // panel a slice at a time between the products: the tiles compute while the vector units split.
 // Tiles: 4 accumulators (2 row tiles x 2 column tiles), 2 row operands, 2 column operands.
+// Pieces 1: the first pieces' product alone, x0 . w0 (b holds w's first pieces only): a
+// screening estimate within bounds the caller computes (linear.cpp's screen_linear).
+template <int Pieces = kPieces>
 inline void panel_product(const uint16_t* a, int64_t T, int64_t Tp, int64_t Kp,
                           const uint16_t* b, float* dst, int64_t ld, int64_t cols,
                           const PanelSplit& next) {
@@ -157,9 +160,9 @@ inline void panel_product(const uint16_t* a, int64_t T, int64_t Tp, int64_t Kp,
     for (int64_t kt = 0; kt < kts; ++kt) {
       // Each x piece once, against the w pieces it pairs with: 18 tile loads for 24 products,
       // each operand tile's next load placed after the products that read it last.
-      for (int pa = 0; pa < kPieces; ++pa) {
+      for (int pa = 0; pa < Pieces; ++pa) {
         const uint16_t* ap = at + pa * plane + kt * (RT * KT);
-        for (int pb = 0; pa + pb < kPieces; ++pb) {
+        for (int pb = 0; pa + pb < Pieces; ++pb) {
           const uint16_t* bp = b + pb * per_piece + kt * RT * 32;
           _tile_loadd(6, bp, 64);
           if (pb == 0) _tile_loadd(4, ap, 64);

@@ -15,6 +15,8 @@
 #include <atomic>
 #include <cstring>
 #include <functional>
+#include <limits>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -27,6 +29,7 @@ namespace {
 using llm::load;
 using llm::store;
 using llm::vec;
+using llm::ivec;
 using llm::VL;
 constexpr int64_t NR = 2 * VL;  // output features per panel
 constexpr int64_t MR = VL == 16 ? 12 : 6;  // tokens per tile: 2 MR accumulators + 2 in registers
@@ -82,12 +85,17 @@ void panels(const float* x, int64_t T, int64_t K, const float* packed, int64_t n
 
 // How many panels one chunk of work holds: about kChunkSeconds of it, by the time a panel takes
 // to stream from memory or to compute, whichever is longer (rough rates of one core).
-int64_t panels_per_chunk(int64_t T, int64_t K, double flops_per_s) {
+int64_t panels_per_chunk(int64_t T, int64_t K, int64_t weight_bytes, double flops_per_s) {
   constexpr double kChunkSeconds = 25e-6, kBytesPerS = 12e9;
-  const double read = static_cast<double>(K * NR * sizeof(float)) / kBytesPerS;
+  const double read = static_cast<double>(K * NR * weight_bytes) / kBytesPerS;
   const double arithmetic = 2.0 * static_cast<double>(T * K * NR) / flops_per_s;
   return std::max<int64_t>(1, static_cast<int64_t>(kChunkSeconds / std::max(read, arithmetic)));
 }
+
+// From this many tokens a call computes on AMX tiles (amx.h), where the CPU has them.
+constexpr int64_t kAmxRows = 48;
+// On AMX, the row pieces of one block of rows take at most this much (of a core's 2 MB of L2).
+constexpr int64_t kAmxBlockBytes = 1 << 20;
 
 #ifdef LLM_AMX
 // A thread's two buffers of split weight panels (amx.h's B operands, 64-byte aligned: a tile
@@ -128,12 +136,31 @@ at::Tensor row_pieces(int64_t numel) {
     cached = at::empty({numel}, at::TensorOptions().dtype(at::kShort));
   return cached;
 }
-#endif
 
-// From this many tokens a call computes on AMX tiles (amx.h), where the CPU has them.
-constexpr int64_t kAmxRows = 48;
-// On AMX, the row pieces of one block of rows take at most this much (of a core's 2 MB of L2).
-constexpr int64_t kAmxBlockBytes = 1 << 20;
+// The rows of x [T, K] as split_rows' pieces, in blocks whose pieces stay in L2 while every
+// panel passes over them (2048 rows at once streamed their pieces from L3 per panel: 167
+// GFLOP/s against 269 for 256). Block b's pieces start at a + b * block_rows * piece_row.
+struct RowBlocks {
+  int64_t Kp, piece_row, blocks, block_rows;
+  at::Tensor pieces;
+  const uint16_t* a;
+};
+
+RowBlocks split_row_blocks(const float* x, int64_t T, int64_t K) {
+  const int64_t Kp = (K + 31) / 32 * 32, piece_row = llm::amx::kPieces * Kp;  // uint16
+  const int64_t most = std::max<int64_t>(32, kAmxBlockBytes / (2 * piece_row) / 16 * 16);
+  int64_t blocks = (T + most - 1) / most;
+  const int64_t block_rows = ((T + blocks - 1) / blocks + 15) / 16 * 16;
+  blocks = (T + block_rows - 1) / block_rows;
+  at::Tensor pieces = row_pieces(blocks * block_rows * piece_row);
+  auto* a = reinterpret_cast<uint16_t*>(pieces.mutable_data_ptr<int16_t>());
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t t0 = b * block_rows, rows = std::min(block_rows, T - t0);
+    llm::amx::split_rows(x + t0 * K, rows, K, a + t0 * piece_row, (rows + 15) / 16 * 16, Kp);
+  }
+  return {Kp, piece_row, blocks, block_rows, pieces, a};
+}
+#endif
 
 // Whether calls of kAmxRows tokens or more compute on AMX tiles here (built for a CPU with AMX,
 // and the kernel granted this process the tiles' state).
@@ -153,12 +180,45 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
   return padded.view({P, NR, K}).transpose(1, 2).contiguous();  // [P, K, NR]
 }
 
+using PanelsFn = std::function<void(int64_t, int64_t, int64_t, float*, int64_t)>;
+
+// out [T, n] = compute(t0, p0, p1, dst, ld) over chunks of panels [p0, p1) of one block of rows
+// [t0, t0 + block_rows), on this thread and the idle helper; `keep` stays alive until they end.
+void run_panels(at::Tensor out, std::vector<at::Tensor> keep, int64_t P, int64_t row_blocks,
+                int64_t block_rows, int64_t per, PanelsFn compute) {
+  const int64_t T = out.size(0), n = out.size(1);
+  const int64_t across = (P + per - 1) / per;  // chunks across one block of rows
+  float* op = out.mutable_data_ptr<float>();
+  llm::Job job;
+  keep.push_back(out);
+  job.keep = std::move(keep);
+  job.chunks = row_blocks * across;
+  constexpr int64_t F = sizeof(float);
+  auto span = [=](int64_t c) {  // chunk c: first row, panels [p0, p1)
+    const int64_t p0 = c % across * per;
+    return std::array<int64_t, 3>{c / across * block_rows, p0, std::min(P, p0 + per)};
+  };
+  job.place = [=](int64_t c) {
+    const auto [t0, p0, p1] = span(c);
+    return llm::Block{reinterpret_cast<char*>(op + t0 * n + p0 * NR), n * F,
+                      std::min(block_rows, T - t0), (std::min(n, p1 * NR) - p0 * NR) * F};
+  };
+  job.compute = [compute = std::move(compute), span](int64_t c, char* dst, int64_t ld) {
+    const auto [t0, p0, p1] = span(c);
+    compute(t0, p0, p1, reinterpret_cast<float*>(dst), ld / F);
+  };
+  llm::run(std::move(job));
+}
+
+void check_x(const char* op, const at::Tensor& x, const at::Tensor& packed) {
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), op, ": CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, op, ": x float32 [T, K]");
+}
+
 at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n) {
-  TORCH_CHECK(x_in.device().is_cpu() && packed.device().is_cpu(), "linear: CPU tensors only");
-  TORCH_CHECK(x_in.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat,
-              "linear: float32 only");
-  TORCH_CHECK(x_in.dim() == 2 && packed.dim() == 3 && packed.is_contiguous(),
-              "linear: x [T, K] and a weight from pack_linear_weight");
+  check_x("linear", x_in, packed);
+  TORCH_CHECK(packed.scalar_type() == at::kFloat && packed.dim() == 3 && packed.is_contiguous(),
+              "linear: a weight from pack_linear_weight");
   TORCH_CHECK(packed.size(2) == NR, "linear: weight packed for panels of ", packed.size(2),
               " features, this build computes ", NR);
   const int64_t T = x_in.size(0), K = x_in.size(1), P = packed.size(0);
@@ -169,42 +229,29 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n) {
   if (T == 0) return out;
   const float* xp = x.const_data_ptr<float>();
   const float* wp = packed.const_data_ptr<float>();
-  float* op = out.mutable_data_ptr<float>();
-  llm::Job job;
-  job.keep = {x, packed, out};
+  std::vector<at::Tensor> keep = {x, packed};
   // Chunks cover panels [p0, p1) of rows [t0, t0 + rows): one block of rows, except on AMX.
   int64_t row_blocks = 1, block_rows = T;
-  std::function<void(int64_t, int64_t, int64_t, float*, int64_t)> compute =
-      [=](int64_t, int64_t p0, int64_t p1, float* dst, int64_t ld) {
-        panels(xp, T, K, wp, n, p0, p1, dst, ld);
-      };
+  PanelsFn compute = [=](int64_t, int64_t p0, int64_t p1, float* dst, int64_t ld) {
+    panels(xp, T, K, wp, n, p0, p1, dst, ld);
+  };
   double flops_per_s = 100e9;
 #ifdef LLM_AMX
   if (T >= kAmxRows && linear_amx()) {
-    // Blocks of rows whose pieces stay in L2 while every panel passes over them (2048 rows at
-    // once streamed their pieces from L3 per panel: 167 GFLOP/s against 269 for 256).
-    const int64_t Kp = (K + 31) / 32 * 32, piece_row = llm::amx::kPieces * Kp;  // uint16
-    const int64_t most = std::max<int64_t>(32, kAmxBlockBytes / (2 * piece_row) / 16 * 16);
-    row_blocks = (T + most - 1) / most;
-    block_rows = ((T + row_blocks - 1) / row_blocks + 15) / 16 * 16;
-    row_blocks = (T + block_rows - 1) / block_rows;
-    at::Tensor pieces = row_pieces(row_blocks * block_rows * piece_row);
-    auto* a = reinterpret_cast<uint16_t*>(pieces.mutable_data_ptr<int16_t>());
-    for (int64_t r = 0; r < row_blocks; ++r) {
-      const int64_t t0 = r * block_rows, rows = std::min(block_rows, T - t0);
-      llm::amx::split_rows(xp + t0 * K, rows, K, a + t0 * piece_row, (rows + 15) / 16 * 16, Kp);
-    }
-    job.keep.push_back(pieces);
+    const RowBlocks rb = split_row_blocks(xp, T, K);
+    keep.push_back(rb.pieces);
+    row_blocks = rb.blocks;
+    block_rows = rb.block_rows;
     flops_per_s = 6 * 150e9;  // six bfloat16 products for each float32 one
     static std::atomic<uint64_t> calls{0};
     const uint64_t call = ++calls;
-    const int64_t B = block_rows, end = row_blocks * P;  // panels of all blocks
+    const int64_t B = block_rows, end = row_blocks * P, Kp = rb.Kp;  // end: panels of all blocks
     compute = [=](int64_t t0, int64_t p0, int64_t p1, float* dst, int64_t ld) {
       llm::amx::configure_thread();
       thread_local SplitPanels split;
       split.reserve(llm::amx::kPieces * 2 * Kp * 16);
       const int64_t rows = std::min(B, T - t0), Tp = (rows + 15) / 16 * 16;
-      const uint16_t* ra = a + t0 * piece_row;
+      const uint16_t* ra = rb.a + t0 * rb.piece_row;
       // Panels in the order this thread travels (the helper takes chunks from the last down),
       // numbered across row blocks: g = block * P + panel.
       const bool down = llm::on_helper();
@@ -228,25 +275,122 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n) {
     };
   }
 #endif
-  const int64_t per = panels_per_chunk(block_rows, K, flops_per_s);
-  const int64_t across = (P + per - 1) / per;  // chunks across one block of rows
-  job.chunks = row_blocks * across;
-  constexpr int64_t F = sizeof(float);
-  auto span = [=](int64_t c) {  // chunk c: first row, panels [p0, p1)
-    const int64_t p0 = c % across * per;
-    return std::array<int64_t, 3>{c / across * block_rows, p0, std::min(P, p0 + per)};
-  };
-  job.place = [=](int64_t c) {
-    const auto [t0, p0, p1] = span(c);
-    return llm::Block{reinterpret_cast<char*>(op + t0 * n + p0 * NR), n * F,
-                      std::min(block_rows, T - t0), (std::min(n, p1 * NR) - p0 * NR) * F};
-  };
-  job.compute = [=](int64_t c, char* dst, int64_t ld) {
-    const auto [t0, p0, p1] = span(c);
-    compute(t0, p0, p1, reinterpret_cast<float*>(dst), ld / F);
-  };
-  llm::run(std::move(job));
+  run_panels(out, std::move(keep), P, row_blocks, block_rows,
+             panels_per_chunk(block_rows, K, sizeof(float), flops_per_s), std::move(compute));
   return out;
+}
+
+// The screening estimate x0 . w0 of x W^T from the first bfloat16 pieces (amx.h's split: the
+// top 8 significant bits, truncated) of x and W alone, one tile product per output tile instead
+// of six, from the weight's first pieces packed once (pack_screen_weight: half the float32
+// weight's bytes). Exact products summed in float32; the caller bounds |x W^T - x0 . w0| from
+// the operands' norms (python_backends/models/greedy_head.py). On AMX only.
+at::Tensor pack_screen_weight(const at::Tensor& weight) {
+  TORCH_CHECK(linear_amx(), "pack_screen_weight: this CPU (or build) has no AMX tiles");
+#ifdef LLM_AMX
+  const at::Tensor packed = pack_linear_weight(weight);  // [P, K, NR]
+  const int64_t P = packed.size(0), K = packed.size(1), Kp = (K + 31) / 32 * 32;
+  const int64_t per_piece = 2 * Kp * 16;  // uint16: PanelSplit's first piece of one panel
+  at::Tensor out = at::empty({P, per_piece}, at::TensorOptions().dtype(at::kShort));
+  SplitPanels scratch;
+  scratch.reserve(llm::amx::kPieces * per_piece);
+  const float* wp = packed.const_data_ptr<float>();
+  for (int64_t p = 0; p < P; ++p) {
+    llm::amx::PanelSplit{wp + p * K * NR, K, Kp, scratch.b[0]}.all();
+    std::memcpy(out.mutable_data_ptr<int16_t>() + p * per_piece, scratch.b[0],
+                per_piece * sizeof(uint16_t));
+  }
+  return out;
+#else
+  return weight;
+#endif
+}
+
+at::Tensor screen_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n) {
+  check_x("screen_linear", x_in, packed);
+  TORCH_CHECK(linear_amx(), "screen_linear: this CPU (or build) has no AMX tiles");
+  const int64_t T = x_in.size(0), K = x_in.size(1), Kp = (K + 31) / 32 * 32, P = packed.size(0);
+  TORCH_CHECK(packed.scalar_type() == at::kShort && packed.dim() == 2 && packed.is_contiguous() &&
+                  packed.size(1) == 2 * Kp * 16,
+              "screen_linear: a weight from pack_screen_weight for ", K, " input features");
+  TORCH_CHECK(n > (P - 1) * NR && n <= P * NR, "screen_linear: ", n, " outputs for ", P, " panels");
+  at::Tensor x = x_in.contiguous();
+  at::Tensor out = at::empty({T, n}, x.options());
+  if (T == 0) return out;
+#ifdef LLM_AMX
+  const RowBlocks rb = split_row_blocks(x.const_data_ptr<float>(), T, K);
+  const auto* wp = reinterpret_cast<const uint16_t*>(packed.const_data_ptr<int16_t>());
+  const int64_t B = rb.block_rows, per_piece = packed.size(1);
+  PanelsFn compute = [=](int64_t t0, int64_t p0, int64_t p1, float* dst, int64_t ld) {
+    llm::amx::configure_thread();
+    const int64_t rows = std::min(B, T - t0), Tp = (rows + 15) / 16 * 16;
+    for (int64_t p = p0; p < p1; ++p)
+      llm::amx::panel_product<1>(rb.a + t0 * rb.piece_row, rows, Tp, Kp, wp + p * per_piece,
+                                 dst + (p - p0) * NR, ld, std::min(NR, n - p * NR), {});
+  };
+  run_panels(out, {x, packed, rb.pieces}, P, rb.blocks, B,
+             panels_per_chunk(B, K, sizeof(uint16_t), 36 * 150e9),  // one product, not six
+             std::move(compute));
+#endif
+  return out;
+}
+
+// The screen's candidates: (row, column) of every estimate e[r, c] within the bounds of the
+// largest, e[r, c] + E[r, c] >= max over u of (e[r, u] - E[r, u]) with E[r, c] = a[r] w[c] +
+// b[r] dw[c] (the error bound of e[r, c]: python_backends/models/greedy_head.py), rows ascending
+// and columns ascending within a row. Two vectorized passes over each row; torch's max, ge and
+// nonzero, one pass each, took longer than the screen itself for 32 rows of 49152.
+std::tuple<at::Tensor, at::Tensor> screen_candidates(const at::Tensor& estimate_in,
+                                                     const at::Tensor& a_in, const at::Tensor& b_in,
+                                                     const at::Tensor& w_in, const at::Tensor& dw_in) {
+  auto f32 = [](const at::Tensor& t, int64_t dim) {
+    return t.scalar_type() == at::kFloat && t.dim() == dim && t.device().is_cpu();
+  };
+  TORCH_CHECK(f32(estimate_in, 2) && f32(a_in, 1) && f32(b_in, 1) && f32(w_in, 1) && f32(dw_in, 1),
+              "screen_candidates: float32 estimate [N, V], a and b [N], w and dw [V]");
+  const int64_t N = estimate_in.size(0), V = estimate_in.size(1);
+  TORCH_CHECK(a_in.size(0) == N && b_in.size(0) == N && w_in.size(0) == V && dw_in.size(0) == V,
+              "screen_candidates: estimate [", N, ", ", V, "] needs a, b [", N, "], w, dw [", V,
+              "]");
+  const at::Tensor estimate = estimate_in.contiguous(), at = a_in.contiguous(),
+                   bt = b_in.contiguous(), wt = w_in.contiguous(), dwt = dw_in.contiguous();
+  const float *w = wt.const_data_ptr<float>(), *dw = dwt.const_data_ptr<float>();
+  std::vector<int64_t> rows, cols;
+  const int64_t body = V / VL * VL;
+  for (int64_t r = 0; r < N; ++r) {
+    const float* e = estimate.const_data_ptr<float>() + r * V;
+    const float ar = at.const_data_ptr<float>()[r], br = bt.const_data_ptr<float>()[r];
+    const vec av = vec{} + ar, bv = vec{} + br;
+    vec low = vec{} - std::numeric_limits<float>::infinity();
+    for (int64_t c = 0; c < body; c += VL) {
+      const vec v = load(e + c) - (av * load(w + c) + bv * load(dw + c));
+      low = v > low ? v : low;
+    }
+    float floor = -std::numeric_limits<float>::infinity();
+    for (int64_t i = 0; i < VL; ++i) floor = std::max(floor, low[i]);
+    for (int64_t c = body; c < V; ++c) floor = std::max(floor, e[c] - (ar * w[c] + br * dw[c]));
+    const vec floors = vec{} + floor;
+    for (int64_t c = 0; c < V; c += VL) {
+      if (c < body) {  // skip whole vectors below the floor
+        const ivec above = load(e + c) + (av * load(w + c) + bv * load(dw + c)) >= floors;
+        bool any = false;
+        for (int64_t i = 0; i < VL; ++i) any |= above[i] != 0;
+        if (!any) continue;
+      }
+      for (int64_t i = c; i < std::min(V, c + VL); ++i) {
+        if (e[i] + (ar * w[i] + br * dw[i]) >= floor) {
+          rows.push_back(r);
+          cols.push_back(i);
+        }
+      }
+    }
+  }
+  const auto opts = at::TensorOptions().dtype(at::kLong);
+  at::Tensor row_t = at::empty({static_cast<int64_t>(rows.size())}, opts);
+  at::Tensor col_t = at::empty({static_cast<int64_t>(cols.size())}, opts);
+  std::copy(rows.begin(), rows.end(), row_t.mutable_data_ptr<int64_t>());
+  std::copy(cols.begin(), cols.end(), col_t.mutable_data_ptr<int64_t>());
+  return {row_t, col_t};
 }
 
 }  // namespace
@@ -255,4 +399,9 @@ TORCH_LIBRARY_FRAGMENT(llm_kernels, m) {
   m.def("linear_amx() -> bool", &linear_amx);
   m.def("pack_linear_weight(Tensor weight) -> Tensor", &pack_linear_weight);
   m.def("linear(Tensor x, Tensor packed, int out_features) -> Tensor", &linear);
+  m.def("pack_screen_weight(Tensor weight) -> Tensor", &pack_screen_weight);
+  m.def("screen_linear(Tensor x, Tensor packed, int out_features) -> Tensor", &screen_linear);
+  m.def("screen_candidates(Tensor estimate, Tensor a, Tensor b, Tensor w, Tensor dw) -> "
+        "(Tensor, Tensor)",
+        &screen_candidates);
 }

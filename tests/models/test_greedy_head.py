@@ -1,0 +1,91 @@
+"""Greedy tokens by screening the LM head (models/greedy_head.py, csrc/linear.cpp's screen_*):
+the same token as the argmax of every float32 logit, on data with near ties, exact ties and
+large and small norms."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from python_backends.models import kernels
+from python_backends.models.greedy_head import GreedyHead, bf16_round
+
+
+def _amx() -> bool:
+    return kernels.load() and bool(torch.ops.llm_kernels.linear_amx())
+
+
+pytestmark = pytest.mark.skipif(not _amx(), reason="the screen computes on AMX tiles only")
+
+
+def _argmax(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Each row's first largest float32 logit, computed as the head computes its candidates'."""
+    return torch.stack([(row * weight).sum(dim=1).max(dim=0).indices for row in x])
+
+
+@pytest.mark.parametrize("rows,vocab,k", [(1, 100, 64), (5, 4099, 576), (33, 2000, 100),
+                                          (70, 3000, 576)])
+def test_screen_is_the_rounded_operands_product(rows, vocab, k):
+    torch.manual_seed(rows)
+    x, w = bf16_round(torch.randn(rows, k)), bf16_round(torch.randn(vocab, k))
+    got = torch.ops.llm_kernels.screen_linear(x, torch.ops.llm_kernels.pack_screen_weight(w),
+                                              vocab)
+    exact = x.double() @ w.double().T
+    bound = 2 * (k + 2) * 2.0 ** -24 * (x.abs().double() @ w.abs().double().T)
+    assert ((got.double() - exact).abs() <= bound).all()
+
+
+def test_tokens_are_the_float32_argmax_with_near_ties():
+    torch.manual_seed(0)
+    vocab, k = 6000, 576
+    weight = torch.randn(vocab, k) * 0.05
+    # Rows a hair apart: their logits differ below the screen's error, so all are candidates.
+    weight[1000:1040] = weight[999] + 1e-6 * torch.randn(40, k)
+    head = GreedyHead.build(weight)
+    assert head is not None
+    x = torch.randn(24, k) * torch.logspace(-3, 3, 24).unsqueeze(1)  # norms 1e-3 .. 1e3
+    x[:8] = weight[999] * 40 + 1e-3 * torch.randn(8, k)  # pointing at the near-tied rows
+    tokens = head.tokens(x)
+    assert tokens is not None and torch.equal(tokens, _argmax(x, weight))
+
+
+def test_exact_ties_go_to_the_lowest_index():
+    torch.manual_seed(1)
+    weight = torch.randn(500, 64)
+    weight[300] = weight[420] = weight[17]
+    head = GreedyHead.build(weight)
+    assert head is not None
+    tokens = head.tokens(weight[17:18] * 3)
+    assert tokens is not None and tokens.tolist() == [17]
+
+
+def test_tokens_of_no_rows():
+    head = GreedyHead.build(torch.randn(50, 64))
+    assert head is not None
+    tokens = head.tokens(torch.empty(0, 64))
+    assert tokens is not None and tokens.shape == (0,)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_rows_are_left_to_the_full_head(value):
+    head = GreedyHead.build(torch.randn(50, 64))
+    assert head is not None
+    x = torch.randn(3, 64)
+    x[1, 5] = value
+    assert head.tokens(x) is None
+
+
+def test_only_float32_cpu_weights():
+    assert GreedyHead.build(torch.randn(50, 64).double()) is None
+    assert GreedyHead.build(torch.randn(50, 64, 2)) is None
+
+
+def test_candidates_refuse_mismatched_shapes():
+    ops = torch.ops.llm_kernels
+    estimate, a = torch.randn(3, 40), torch.ones(3)
+    with pytest.raises(RuntimeError, match="screen_candidates"):
+        ops.screen_candidates(estimate, a, a, torch.ones(39), torch.ones(40))
+    with pytest.raises(RuntimeError, match="screen_candidates"):
+        ops.screen_candidates(estimate.double(), a, a, torch.ones(40), torch.ones(40))
+    with pytest.raises(RuntimeError, match="pack_screen_weight"):
+        ops.screen_linear(torch.randn(3, 64), torch.zeros(2, 5, dtype=torch.short), 40)
