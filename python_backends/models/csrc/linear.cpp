@@ -3,7 +3,11 @@
 // The weight is packed once into panels of NR output features, each panel [K, NR] contiguous,
 // so a step streams the whole matrix front to back and every loaded weight vector feeds up to MR
 // tokens of the batch. The arithmetic is plain float32 FMA with one accumulator per output, k
-// ascending; results differ from MKL's only in rounding.
+// ascending; results differ from MKL's only in rounding. From kAmxRows tokens on, on CPUs with
+// AMX, the same products run on AMX tiles (amx.h) to the same precision.
+//
+// screen_linear and screen_candidates serve greedy rows' LM head (models/greedy_head.py): an
+// estimate of every logit from bfloat16 operands, and the tokens whose bounds reach the largest.
 //
 // Built and loaded by python_backends/models/kernels.py (for the machine it runs on).
 #include <ATen/ops/constant_pad_nd.h>
