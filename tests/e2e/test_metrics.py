@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
 import pytest
 
 from python_backends.client import metric_sum
@@ -10,16 +13,35 @@ from tests.e2e.conftest import Server
 pytestmark = pytest.mark.e2e
 
 
+GAUGES = ("llm_kv_cache_blocks_used", "llm_kv_cache_blocks_total", "llm_kv_cache_usage_ratio",
+          "llm_num_requests_running", "llm_num_requests_waiting", "llm_num_preemptions_total",
+          "llm_engine_healthy")
+INSTANCES = {"worker_0_0", "prefill_0_0", "decode_0_0"}
+
+
+def published(server: Server, timeout: float = 60.0) -> dict[str, Any]:
+    """The metrics once every instance's engine has published its gauges and the worker's is
+    healthy: an engine the watchdog just reloaded (tests/e2e/test_migration.py) publishes
+    them when it is ready, a moment after its stub has started."""
+    deadline = time.monotonic() + timeout
+    while True:
+        metrics = server.metrics()
+        missing = [name for name in GAUGES
+                   if not {dict(k)["instance"] for k in metrics.get(name, {})} >= INSTANCES]
+        if not missing and metric_sum(metrics, "llm_engine_healthy", instance="worker_0_0") == 1:
+            return metrics
+        waiting_for = missing or "llm_engine_healthy of worker_0_0"
+        assert time.monotonic() < deadline, f"not published in {timeout:.0f} s: {waiting_for}"
+        time.sleep(0.5)
+
+
 def test_metrics_present_and_moving(server: Server) -> None:
-    before = server.metrics()
-    for name in ("llm_kv_cache_blocks_used", "llm_kv_cache_blocks_total",
-                 "llm_kv_cache_usage_ratio", "llm_num_requests_running",
-                 "llm_num_requests_waiting", "llm_num_preemptions_total",
-                 "llm_engine_healthy"):
+    before = published(server)
+    for name in GAUGES:
         labels = {dict(k)["instance"] for k in before[name]}
         # Every group; an instance removed by a resize (tests/e2e/test_autoscaler.py) keeps
         # its series in Triton 2.51, zeroed (EngineMetrics.retire).
-        assert labels >= {"worker_0_0", "prefill_0_0", "decode_0_0"}, name
+        assert labels >= INSTANCES, name
         assert {dict(k)["model"] for k in before[name]} == {"worker", "prefill", "decode"}
     assert metric_sum(before, "llm_kv_cache_blocks_total", instance="worker_0_0") == 1024
     assert metric_sum(before, "llm_engine_healthy", instance="worker_0_0") == 1
