@@ -286,7 +286,9 @@ class LlamaForCausalLM(nn.Module):
         kernel = kernels.native_linear() if native and float32 and on_cpu else None
         if kernel is not None:
             if self.lm_head is not None and self.ctx.layout.world_size == 1:
-                self.greedy_head = GreedyHead.build(self.lm_head.weight)  # before it is packed
+                # Before it is packed; the vocabulary's rows only (padding has none at tp 1).
+                head = self.lm_head
+                self.greedy_head = GreedyHead.build(head.weight[: head.vocab_size])
             # One huge-page mapping for all of them, in the order a step reads them.
             numels = [math.prod(kernel.packed_shape(*m.weight.shape)) for m in linears]
             arena = huge_page_empty(sum(numels), torch.float32)
