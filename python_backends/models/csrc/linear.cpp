@@ -287,8 +287,9 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n) {
 // The screening estimate x0 . w0 of x W^T from the first bfloat16 pieces (amx.h's split: the
 // top 8 significant bits, truncated) of x and W alone, one tile product per output tile instead
 // of six, from the weight's first pieces packed once (pack_screen_weight: half the float32
-// weight's bytes). Exact products summed in float32; the caller bounds |x W^T - x0 . w0| from
-// the operands' norms (python_backends/models/greedy_head.py). On AMX only.
+// weight's bytes). The caller (python_backends/models/greedy_head.py) passes x and W already
+// rounded to bfloat16, which are their own first pieces, so these are exactly its x0 and w0;
+// exact products summed in float32, and it bounds |x W^T - x0 . w0| from the norms. AMX only.
 at::Tensor pack_screen_weight(const at::Tensor& weight) {
   TORCH_CHECK(linear_amx(), "pack_screen_weight: this CPU (or build) has no AMX tiles");
 #ifdef LLM_AMX
