@@ -143,3 +143,31 @@ def running_descendants(pid: int) -> list[Process]:
         found += level
         parents = {p.pid for p in level}
     return found
+
+
+STUB_BINARY = "triton_python_backend_stub"
+STUB_SEGMENT_PREFIX = "triton_python_backend_shm_region_"  # a stub's segment in /dev/shm
+
+
+@dataclass(frozen=True)
+class Stub:
+    pid: int
+    model: str
+    instance: str
+    started: int = 0  # start time (clock ticks since boot): the newest stub of an instance wins
+    region: str = ""  # its shared-memory segment in /dev/shm, which tritonserver maps too
+
+
+def stub_of(proc: Process) -> Stub | None:
+    """The Python-backend stub `proc` is, None if it is another process (or gone)."""
+    argv = proc.cmdline()
+    if argv is None or len(argv) < 9 or not argv[0].endswith(STUB_BINARY):
+        return None
+    model_file = Path(argv[1])  # <repository>/<model>/<version>/model.py
+    return Stub(proc.pid, model_file.parent.parent.name, argv[8], proc.start_ticks,
+                argv[2].lstrip("/"))
+
+
+def live_stubs(server_pid: int) -> list[Stub]:
+    """The Python-backend stubs of a tritonserver process that are running (not zombies)."""
+    return [s for proc in running_children(server_pid) if (s := stub_of(proc))]

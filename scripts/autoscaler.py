@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Autoscale a running server's instance groups from its metrics (see python_backends/autoscaler).
+"""Autoscale a running server's instance groups from its metrics
+(see python_backends/ops/autoscaler).
 
 Every --interval seconds it scrapes Triton's metrics endpoint, computes TTFT/TPOT P95 from
 histogram deltas over the sliding --window, and resizes the worker, prefill and decode groups
@@ -22,8 +23,8 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from python_backends.autoscaler import Autoscaler, Controller, Policy
-from python_backends.repository import TritonRepository
+from python_backends.ops.autoscaler import Autoscaler, Controller, Policy
+from python_backends.ops.repository import TritonRepository
 
 
 def serve_metrics(controller: Controller, host: str, port: int) -> ThreadingHTTPServer:

@@ -33,22 +33,16 @@ from typing import Any
 
 import torch
 
-from python_backends.client import (
-    LLMClient,
-    StreamResult,
-    histogram_mean,
-    metric_delta,
-    percentile,
-    scrape,
-)
-from python_backends.cluster import Cluster, ClusterPlan
+from python_backends.bench.client import LLMClient, StreamResult, percentile
 from python_backends.config import DEFAULT_ENGINE_DIR
 from python_backends.flag_board import BoardCache, FlagBoard
 from python_backends.kv_transfer import nixl
 from python_backends.kv_transfer.base import KVHandle, KVSink
 from python_backends.kv_transfer.host_shm import HostShmSink, HostShmSource, SharedPool
 from python_backends.kv_transfer.layout import KVLayout, allocate_pool
-from python_backends.launcher import ServerOptions, TritonServer, free_port, server_for
+from python_backends.metrics_text import histogram_mean, metric_delta, scrape
+from python_backends.ops.cluster import Cluster, ClusterPlan
+from python_backends.ops.launcher import ServerOptions, TritonServer, free_port, server_for
 
 MIB = 1 << 20
 SIZES_MIB = (1, 4, 16, 64)

@@ -7,7 +7,7 @@
 
 For each concurrency level it serves `--requests` random prompts of `--prompt-tokens` tokens to
 exactly `--output-tokens` tokens each in this process (no server, no client: what the serving
-path could keep at best), and prints that beside the roofline of python_backends.engine.roofline:
+path could keep at best), and prints that beside the roofline of python_backends.bench.roofline:
 the larger of the level's arithmetic at the rate the engine's projections reach on prompt-sized
 batches, and its minimum number of steps times the time one token takes through every projection
 (a step's weight reads), on one core and on every core. `--peer` takes a peer server's output
@@ -28,9 +28,7 @@ from pathlib import Path
 
 import torch
 
-from python_backends.config import DEFAULT_ENGINE_DIR
-from python_backends.engine.llm_engine import LLMEngine
-from python_backends.engine.roofline import (
+from python_backends.bench.roofline import (
     Projections,
     Workload,
     bound,
@@ -39,6 +37,8 @@ from python_backends.engine.roofline import (
     random_prompts,
     summary,
 )
+from python_backends.config import DEFAULT_ENGINE_DIR
+from python_backends.engine.llm_engine import LLMEngine
 
 
 def parse_levels(text: str) -> dict[int, float]:

@@ -50,11 +50,12 @@ import grpc
 import requests
 from tritonclient.grpc import service_pb2_grpc
 
-from python_backends.client import histogram_mean, percentile, scrape
+from python_backends.bench.client import percentile
 from python_backends.config import DEFAULT_ENGINE_DIR
 from python_backends.gateway.triton import ensemble_request, read_piece
-from python_backends.launcher import ServerOptions, TritonServer, start_gateway, stop_process
+from python_backends.metrics_text import histogram_mean, scrape
 from python_backends.net import free_port
+from python_backends.ops.launcher import ServerOptions, TritonServer, start_gateway, stop_process
 from python_backends.procfs import cpu_seconds
 
 PROMPT = "Write a long story about a lighthouse keeper and the sea. Chapter {i}:"

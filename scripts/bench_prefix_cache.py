@@ -29,10 +29,11 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
-from python_backends.client import LLMClient, metric_sum, percentile, scrape
+from python_backends.bench.client import LLMClient, percentile
 from python_backends.config import DEFAULT_ENGINE_DIR
-from python_backends.launcher import ServerOptions, TritonServer
+from python_backends.metrics_text import metric_sum, scrape
 from python_backends.net import free_port
+from python_backends.ops.launcher import ServerOptions, TritonServer
 
 MODES = {  # worker parameters
     "off": {"enable_prefix_caching": "false", "kv_store": "off"},

@@ -35,11 +35,12 @@ from typing import Any
 import openai
 from transformers import AutoTokenizer
 
-from python_backends.client import metric_sum, percentile, scrape
+from python_backends.bench.client import percentile
 from python_backends.config import DEFAULT_ENGINE_DIR
 from python_backends.gateway.routing import DEFAULT_OVERLAP_WEIGHT
-from python_backends.launcher import ServerOptions, TritonServer, launch_gateway, stop_process
+from python_backends.metrics_text import metric_sum, scrape
 from python_backends.net import free_port
+from python_backends.ops.launcher import ServerOptions, TritonServer, launch_gateway, stop_process
 
 POLICIES = ("least_loaded", "prefix_aware")
 TEXT = Path(__file__).resolve().parent / "data" / "quality-text.txt"

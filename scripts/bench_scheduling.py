@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from python_backends.client import percentile
+from python_backends.bench.client import percentile
 from python_backends.config import DEFAULT_ENGINE_DIR, EngineConfig, EngineLimits
 from python_backends.engine.llm_engine import LLMEngine
 from python_backends.engine.loader import load_model

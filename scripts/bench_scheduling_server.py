@@ -28,12 +28,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from python_backends.client import LLMClient, percentile
+from python_backends.bench.client import LLMClient, percentile
 from python_backends.config import DEFAULT_ENGINE_DIR
 from python_backends.engine.builder import engine_variant
-from python_backends.launcher import ServerOptions, TritonServer
 from python_backends.net import free_port
-from python_backends.repository import TritonRepository
+from python_backends.ops.launcher import ServerOptions, TritonServer
+from python_backends.ops.repository import TritonRepository
 
 WORD = " hello"  # one token per repetition in SmolLM2's tokenizer
 

@@ -6,16 +6,16 @@ workload (--prompt-tokens, --output-tokens with the end id ignored) at each --co
 optionally a peer OpenAI-compatible server with the same aiperf workload in the same run, then
 prints each level's figures and the ratios to the peer. The peer is either started here
 (`--peer vllm`: vLLM for CPU from .venv-vllm on the engine's weights in float32, set up on first
-use; python_backends/peer.py) or given (`--peer-url`). `--rounds N` measures every level N
-times, the targets interleaved level by level, so drift shows. aiperf refills a freed
+use; python_backends/bench/vllm_peer.py) or given (`--peer-url`). `--rounds N` measures every
+level N times, the targets interleaved level by level, so drift shows. aiperf refills a freed
 concurrency slot within 1/--pace-hz seconds instead of polling for it without sleeping (its
 plain concurrency mode takes most of a core on a small machine). For our server it also reads the
 server's own TTFT histogram over each level and prints it against aiperf's (they measure the
 same thing from two ends), and with `--breakdown` where a token's time goes (CPU per process,
-the engine loop's phases; python_backends/breakdown.py).
+the engine loop's phases; python_backends/bench/breakdown.py).
 
 aiperf runs from its own environment, `.venv-aiperf`, which scripts/test.sh creates (see
-python_backends/aiperf.py).
+python_backends/bench/aiperf.py).
 
     python scripts/bench_sweep.py --start-server --peer vllm --rounds 2 --breakdown
     python scripts/bench_sweep.py --peer-url http://127.0.0.1:8100 --peer-model SmolLM2
@@ -36,13 +36,13 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from python_backends.aiperf import PACE_HZ, AiperfError, Target, find_aiperf, profile
-from python_backends.breakdown import breakdown, format_breakdown, server_pid, snapshot
-from python_backends.client import histogram_mean, scrape
+from python_backends.bench.aiperf import PACE_HZ, AiperfError, Target, find_aiperf, profile
+from python_backends.bench.breakdown import breakdown, format_breakdown, server_pid, snapshot
+from python_backends.bench.vllm_peer import VllmServer, ensure_env, export_checkpoint
 from python_backends.config import DEFAULT_ENGINE_DIR
-from python_backends.launcher import server_for
+from python_backends.metrics_text import histogram_mean, scrape
 from python_backends.net import free_port
-from python_backends.peer import VllmServer, ensure_env, export_checkpoint
+from python_backends.ops.launcher import server_for
 
 # (aiperf's JSON key, our column)
 FIELDS = [
@@ -120,7 +120,7 @@ def _parser() -> argparse.ArgumentParser:
                     "level (their order swapped each round), so drift shows")
     ap.add_argument("--peer", choices=("vllm",), default=None,
                     help="set up and start the peer: vllm = vLLM for CPU in .venv-vllm, on the "
-                    "engine's weights in float32 (python_backends/peer.py)")
+                    "engine's weights in float32 (python_backends/bench/vllm_peer.py)")
     ap.add_argument("--peer-speculative-tokens", type=int, default=0,
                     help="with --peer vllm: vLLM's n-gram (prompt-lookup) speculative decoding "
                     "with drafts of up to this many tokens, as our engines draft; 0 (default): "
@@ -133,7 +133,7 @@ def _parser() -> argparse.ArgumentParser:
                     "that refuse it (configure them without an end token instead)")
     ap.add_argument("--breakdown", action="store_true",
                     help="print where a token's time goes in our server at each level (CPU per "
-                    "process, engine phases; python_backends/breakdown.py); needs the server "
+                    "process, engine phases; python_backends/bench/breakdown.py); needs the server "
                     "on this host")
     ap.add_argument("--out-dir", type=Path, default=Path("bench-results"))
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per aiperf run")
@@ -141,7 +141,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="how often a second aiperf looks for a free concurrency slot (a constant "
                          "request rate capped by the concurrency); 0: aiperf's plain concurrency "
                          "mode, which polls without sleeping and takes most of a core "
-                         "(python_backends/aiperf.py)")
+                         "(python_backends/bench/aiperf.py)")
     return ap
 
 

@@ -23,10 +23,10 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer
 
-from python_backends.client import LLMClient, StreamResult, percentile
+from python_backends.bench.client import LLMClient, StreamResult, percentile
 from python_backends.config import DEFAULT_ENGINE_DIR, EngineConfig
 from python_backends.engine.builder import load_hf
-from python_backends.launcher import server_for
+from python_backends.ops.launcher import server_for
 
 WORDS = ("river", "mountain", "lantern", "harbor", "meadow", "engine", "violet", "signal",
          "orchard", "copper", "thunder", "library")

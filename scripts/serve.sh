@@ -8,4 +8,4 @@
 # Creates the environment and builds the default engine when missing, waits until the models
 # are ready, prints the endpoints and a curl example, and stops cleanly on Ctrl-C / SIGTERM.
 source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
-exec "$PY" -m python_backends.launcher "$@"
+exec "$PY" -m python_backends.ops.launcher "$@"

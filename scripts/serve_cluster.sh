@@ -7,4 +7,4 @@
 # Engine servers by role (scripts/serve.sh --role ...), a front server calling them over gRPC,
 # and the gateway; one log per server in --log-dir. Ctrl-C stops every server.
 source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
-exec "$PY" -m python_backends.cluster "$@"
+exec "$PY" -m python_backends.ops.cluster "$@"

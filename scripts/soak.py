@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """A bounded soak on loopback: a server of its own at saturation under a fault schedule, every
-request accounted for (see python_backends/soak.py). Exits 1 when a request hung, an answer
+request accounted for (see python_backends/bench/soak.py). Exits 1 when a request hung, an answer
 differed from Hugging Face's, the server answered a 5xx, KV blocks stayed held, or (with
 --max-memory-growth) a process grew past the bound.
 
@@ -18,10 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from python_backends.config import DEFAULT_ENGINE_DIR
-from python_backends.engine.builder import hf_greedy, reshard_engine
-from python_backends.launcher import ServerOptions, TritonServer, free_port
-from python_backends.soak import (
+from python_backends.bench.soak import (
     FAULTS,
     LONG_PROMPTS,
     MAX_TOKENS,
@@ -32,6 +29,9 @@ from python_backends.soak import (
     as_json,
     print_report,
 )
+from python_backends.config import DEFAULT_ENGINE_DIR
+from python_backends.engine.builder import hf_greedy, reshard_engine
+from python_backends.ops.launcher import ServerOptions, TritonServer, free_port
 
 RESULTS_DIR = Path(__file__).resolve().parent.parent / "bench-results"
 

@@ -21,11 +21,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from python_backends.client import LLMClient
+from python_backends.bench.client import LLMClient
 from python_backends.config import DEFAULT_ENGINE_DIR
 from python_backends.engine.builder import engine_variant
-from python_backends.launcher import ServerOptions, TritonServer
 from python_backends.net import free_port
+from python_backends.ops.launcher import ServerOptions, TritonServer
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_scheduling_server import WORD, Streams

@@ -59,10 +59,6 @@ class BlockManager:
         return self.num_blocks - len(self._free)
 
     @property
-    def num_cached(self) -> int:
-        return len(self._block_of)
-
-    @property
     def usage(self) -> float:
         return self.num_used / self.num_blocks
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence as Seq
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -23,8 +23,28 @@ from python_backends.models.attention import (
 )
 from python_backends.models.llama import LlamaForCausalLM
 
-if TYPE_CHECKING:  # ranks builds its runners here
-    from python_backends.engine.ranks import RankGroup
+MicroBatch = tuple[torch.Tensor, AttentionMetadata]  # token ids [T], their metadata
+
+
+class RankGroup(Protocol):
+    """Rank 0's handle on an engine's other ranks, as the runner, the handoff and the engine use
+    it (engine.ranks.RankGroup implements it). A protocol, so that engine.ranks, which builds
+    every rank's runner here, is the only one of the two modules that imports the other."""
+
+    config: EngineConfig
+
+    @property
+    def ranks_alive(self) -> int: ...
+
+    def run(self, model: LlamaForCausalLM, batches: list[MicroBatch]) -> list[torch.Tensor]:
+        """One step: the micro-batches through every rank; the last stage's logits of each."""
+        ...
+
+    def export_kv(self, pool: torch.Tensor, whole: torch.Tensor, blocks: list[int]) -> None: ...
+
+    def import_kv(self, pool: torch.Tensor, whole: torch.Tensor, blocks: list[int]) -> None: ...
+
+    def close(self, timeout_s: float = 10.0) -> None: ...
 
 
 class ModelRunner:

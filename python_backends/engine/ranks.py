@@ -37,15 +37,13 @@ import torch.distributed as dist
 from python_backends.config import RANK_MODULE, EngineConfig
 from python_backends.diagnostics import set_up_process
 from python_backends.engine.loader import DTYPES, load_model
-from python_backends.engine.model_runner import rank_runner
-from python_backends.models.attention import AttentionMetadata
+from python_backends.engine.model_runner import MicroBatch, rank_runner
 from python_backends.models.llama import LlamaForCausalLM
 from python_backends.net import free_port
 from python_backends.parallel.context import ParallelContext, timed
 from python_backends.parallel.placement import CPU, dist_backend
 
 log = logging.getLogger(__name__)
-MicroBatch = tuple[torch.Tensor, AttentionMetadata]  # token ids [T], their metadata
 STARTUP_TIMEOUT_S = 300.0
 
 

@@ -35,7 +35,6 @@ _KINDS = {Kind.INT: _INT, Kind.UINT64: _INT, Kind.FLOAT: _FLOAT, Kind.BOOL: _BOO
 SCALAR_INPUTS: dict[str, str] = {name: _KINDS[spec.kind] for name, spec in CLIENT_INPUTS.items()
                                  if spec.kind in _KINDS}
 MAX_PRIORITY = 9  # priorities are 0 (default, lowest) .. 9
-WORD_LIST_INPUTS = ("stop_words", "bad_words")
 KNOWN_INPUTS = frozenset(CLIENT_INPUTS)
 # Request parameters (HTTP /generate turns unknown top-level JSON keys into parameters): those
 # Triton itself sets pass; any other is a client mistake such as a misspelt input name.

@@ -15,11 +15,11 @@ from typing import Any
 
 import aiohttp
 
-from python_backends.client import Metrics, histogram_quantile, metric_sum, parse_metrics
 from python_backends.config import GRPC_API_KEY_HEADER
 from python_backends.gateway.config import BackendConfig, GatewayConfig
 from python_backends.gateway.routing import ServerView
 from python_backends.gateway.triton import Breaker, TritonClient
+from python_backends.metrics_text import Metrics, histogram_quantile, metric_sum, parse_metrics
 from python_backends.wire import FRONT_START_METRIC
 
 log = logging.getLogger(__name__)

@@ -54,6 +54,7 @@ from python_backends.front.stream import RequestStream
 from python_backends.front.tenancy import CacheSharing
 from python_backends.front.validation import InvalidRequest
 from python_backends.kv_transfer.base import KVHandle, abandon
+from python_backends.procfs import live_stubs
 from python_backends.serving.bls import Answers, BLSStreams
 from python_backends.serving.common import (
     FINAL,
@@ -65,7 +66,6 @@ from python_backends.serving.common import (
     response,
 )
 from python_backends.serving.metrics import AdmissionMetrics, RequestMetrics
-from python_backends.watchdog import live_stubs
 from python_backends.wire import (
     ClientChunk,
     EngineRequest,

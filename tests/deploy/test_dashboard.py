@@ -217,7 +217,7 @@ def test_prometheus_config_scrapes_triton_the_autoscaler_and_the_gateway() -> No
 
 
 def test_autoscaler_panels_use_what_the_autoscaler_exports() -> None:
-    from python_backends.autoscaler import Autoscaler, Controller, Decision, Policy
+    from python_backends.ops.autoscaler import Autoscaler, Controller, Decision, Policy
 
     controller = Controller(Autoscaler(Policy()), None, "", dry_run=True)  # type: ignore[arg-type]
     controller.counts = {"prefill": 2}

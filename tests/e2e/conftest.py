@@ -17,11 +17,11 @@ import openai
 import pytest
 import requests
 
-from python_backends.client import GenerateError, LLMClient, metric_sum, parse_metrics, scrape
+from python_backends.bench.client import GenerateError, LLMClient
 from python_backends.config import DEFAULT_ENGINE_DIR
 from python_backends.diagnostics import request_stack_dumps
-from python_backends.launcher import (
-    UPSTREAM_ABORT,
+from python_backends.metrics_text import metric_sum, parse_metrics, scrape
+from python_backends.ops.launcher import (
     ServerError,
     ServerOptions,
     TritonServer,
@@ -29,7 +29,8 @@ from python_backends.launcher import (
     launch_gateway,
     stop_process,
 )
-from python_backends.watchdog import Stub, live_stubs
+from python_backends.procfs import Stub, live_stubs
+from tests.upstream import UPSTREAM_ABORT
 
 ENGINE_DIR = Path(os.environ.get("LLM_ENGINE_DIR", DEFAULT_ENGINE_DIR))
 

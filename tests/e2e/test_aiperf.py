@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from python_backends.aiperf import Target, find_aiperf, profile
-from python_backends.client import histogram_mean, metric_delta
+from python_backends.bench.aiperf import Target, find_aiperf, profile
+from python_backends.metrics_text import histogram_mean, metric_delta
 from tests.e2e.conftest import ENGINE_DIR, Server
 
 pytestmark = pytest.mark.e2e

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from python_backends.autoscaler import Autoscaler, Controller, Policy
+from python_backends.ops.autoscaler import Autoscaler, Controller, Policy
 from tests.e2e.conftest import MAX_TOKENS, PROMPTS, Reference, Server
 
 pytestmark = pytest.mark.e2e

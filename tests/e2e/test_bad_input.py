@@ -7,7 +7,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from python_backends.client import GenerateError, as_list
+from python_backends.bench.client import GenerateError, as_list
 from tests.e2e.conftest import MAX_TOKENS, PROMPTS, Reference, Server
 
 pytestmark = pytest.mark.e2e

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from python_backends.breakdown import STEP_PHASES_METRIC, breakdown, server_pid, snapshot
+from python_backends.bench.breakdown import STEP_PHASES_METRIC, breakdown, server_pid, snapshot
 from python_backends.engine.llm_engine import STEP_PHASES
 from tests.e2e.conftest import PROMPTS, Server
 

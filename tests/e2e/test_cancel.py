@@ -12,8 +12,9 @@ import pytest
 import requests
 import tritonclient.grpc as grpcclient
 
-from python_backends.client import GenerateError, LLMClient, metric_sum
-from python_backends.launcher import ServerOptions, TritonServer, free_port
+from python_backends.bench.client import GenerateError, LLMClient
+from python_backends.metrics_text import metric_sum
+from python_backends.ops.launcher import ServerOptions, TritonServer, free_port
 from tests.e2e.conftest import ENGINE_DIR, Server
 
 pytestmark = pytest.mark.e2e

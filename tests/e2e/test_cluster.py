@@ -1,5 +1,5 @@
 """A cluster on loopback: a front server, two prefill servers and two decode servers, each its
-own tritonserver (python_backends.cluster, as scripts/serve_cluster.sh starts them). The front
+own tritonserver (python_backends.ops.cluster, as scripts/serve_cluster.sh starts them). The front
 calls the engine servers over gRPC; the KV crosses from prefill to decode servers over NIXL.
 
 In order (each test leaves the cluster as the next expects): the reference prompts equal
@@ -23,9 +23,10 @@ from typing import Any
 import pytest
 import requests
 
-from python_backends.client import GenerateError, LLMClient, as_list, metric_sum, scrape
-from python_backends.cluster import Cluster, ClusterPlan
-from python_backends.launcher import TritonServer, free_port
+from python_backends.bench.client import GenerateError, LLMClient, as_list
+from python_backends.metrics_text import metric_sum, scrape
+from python_backends.ops.cluster import Cluster, ClusterPlan
+from python_backends.ops.launcher import TritonServer, free_port
 from tests.e2e.conftest import (
     ENGINE_DIR,
     MAX_TOKENS,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from python_backends.client import as_list
-from python_backends.watchdog import live_stubs
+from python_backends.bench.client import as_list
+from python_backends.procfs import live_stubs
 from tests.e2e.conftest import MAX_TOKENS, PROMPTS, Reference, Server
 
 pytestmark = pytest.mark.e2e

@@ -11,9 +11,10 @@ from typing import Any
 
 import pytest
 
-from python_backends.client import GenerateError, as_list, metric_sum
+from python_backends.bench.client import GenerateError, as_list
 from python_backends.config import EngineConfig
-from python_backends.watchdog import live_stubs
+from python_backends.metrics_text import metric_sum
+from python_backends.procfs import live_stubs
 from tests.e2e.conftest import ENGINE_DIR, MAX_TOKENS, PROMPTS, Reference, Server
 
 pytestmark = pytest.mark.e2e
@@ -135,7 +136,7 @@ def test_auto_route_disaggregates_long_prompts(server: Server) -> None:
 
 
 def test_routing_parameters_are_validated(server: Server) -> None:
-    from python_backends.client import GenerateError
+    from python_backends.bench.client import GenerateError
 
     for key, value in (("route", "sideways"), ("kv_transport", "pigeon"), ("kv_fault", "x")):
         with pytest.raises(GenerateError) as e:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from python_backends.client import GenerateError
+from python_backends.bench.client import GenerateError
 from tests.e2e.conftest import Server
 
 pytestmark = pytest.mark.e2e

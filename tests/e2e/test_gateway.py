@@ -17,8 +17,9 @@ import openai
 import pytest
 import requests
 
-from python_backends.client import as_list, metric_sum
-from python_backends.launcher import free_port
+from python_backends.bench.client import as_list
+from python_backends.metrics_text import metric_sum
+from python_backends.ops.launcher import free_port
 from tests.e2e.conftest import (
     ENGINE_DIR,
     GATEWAY_KEY,
@@ -219,7 +220,7 @@ def test_kserve_generate_endpoints_are_proxied(gateway: Gateway, server: Server)
 def test_aiperf_profiles_the_gateway_as_an_openai_chat_server(gateway: Gateway,
                                                               tmp_path: Path) -> None:
     """aiperf's own `chat` endpoint type, no adapter: every request succeeds."""
-    from python_backends.aiperf import Target, find_aiperf, profile
+    from python_backends.bench.aiperf import Target, find_aiperf, profile
 
     aiperf = find_aiperf()
     if aiperf is None:

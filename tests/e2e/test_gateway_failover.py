@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 import requests
 
-from python_backends.client import metric_sum
 from python_backends.front.validation import FAULT_PARAMETERS
-from python_backends.launcher import ServerOptions, TritonServer, free_port
-from python_backends.watchdog import live_stubs
+from python_backends.metrics_text import metric_sum
+from python_backends.ops.launcher import ServerOptions, TritonServer, free_port
+from python_backends.procfs import live_stubs
 from tests.e2e.conftest import (
     ENGINE_DIR,
     Gateway,
@@ -128,7 +128,7 @@ def _served(gw: Gateway, backend: str) -> float:
 
 
 def _finished(metrics_url: str) -> float:
-    from python_backends.client import scrape
+    from python_backends.metrics_text import scrape
 
     return metric_sum(scrape(metrics_url), "llm_requests_finished_total")
 

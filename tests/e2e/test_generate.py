@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from python_backends.client import as_list, metric_sum
+from python_backends.bench.client import as_list
+from python_backends.metrics_text import metric_sum
 from tests.e2e.conftest import MAX_TOKENS, PROMPTS, Reference, Server, hf_greedy
 
 pytestmark = pytest.mark.e2e

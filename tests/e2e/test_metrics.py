@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from python_backends.client import metric_sum
+from python_backends.metrics_text import metric_sum
 from tests.e2e.conftest import Server
 
 pytestmark = pytest.mark.e2e

@@ -14,9 +14,10 @@ from typing import Any
 
 import pytest
 
-from python_backends.client import GenerateError, LLMClient, as_list, metric_sum
+from python_backends.bench.client import GenerateError, LLMClient, as_list
 from python_backends.config import ParallelLayout
 from python_backends.engine.builder import reshard_engine
+from python_backends.metrics_text import metric_sum
 from tests.e2e.conftest import (
     ENGINE_DIR,
     KILLED_BY_TESTS,

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from python_backends import procfs
-from python_backends.client import as_list
+from python_backends.bench.client import as_list
 from python_backends.config import RANK_MODULE, EngineConfig, ParallelLayout
 from python_backends.engine.builder import reshard_engine, write_engine
 from tests.e2e.conftest import (
@@ -136,7 +136,7 @@ def dead_rank_fails_clearly(server: Server) -> None:
     import signal
     import time
 
-    from python_backends.client import metric_sum
+    from python_backends.metrics_text import metric_sum
 
     def healthy() -> float:
         return metric_sum(server.metrics(), "llm_engine_healthy", instance="worker_0_0")
@@ -175,7 +175,7 @@ def test_disaggregated_across_layouts_matches_hf(
 ) -> None:
     """Prefill and decode groups on different TP layouts of one model: the KV handle carries
     the whole-model layout, the multi-rank side gathers or scatters heads across its ranks."""
-    from python_backends.client import metric_sum
+    from python_backends.metrics_text import metric_sum
 
     hf = random_model("llama", tmp_path / "tp2", ParallelLayout(tp=2))
     random_model("llama", tmp_path / "tp1", ParallelLayout())

@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from python_backends.client import as_list, metric_sum
+from python_backends.bench.client import as_list
+from python_backends.metrics_text import metric_sum
 from tests.e2e.conftest import MAX_TOKENS, PROMPTS, Reference, Server
 
 pytestmark = pytest.mark.e2e

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from python_backends.launcher import UPSTREAM_ABORT
 from tests.e2e.conftest import ENGINE_DIR
+from tests.upstream import UPSTREAM_ABORT
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,9 +12,10 @@ from typing import Any
 
 import pytest
 
-from python_backends.client import GenerateError, LLMClient, as_list, metric_sum
+from python_backends.bench.client import GenerateError, LLMClient, as_list
 from python_backends.flag_board import NAME_PREFIX, SHM_DIR
-from python_backends.watchdog import live_stubs
+from python_backends.metrics_text import metric_sum
+from python_backends.procfs import live_stubs
 from tests.e2e.conftest import (
     KILLED_BY_TESTS,
     KILLS_STUBS,

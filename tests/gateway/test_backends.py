@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from python_backends.client import parse_metrics
 from python_backends.gateway.backends import READ_METRICS, Backend
 from python_backends.gateway.config import BackendConfig
+from python_backends.metrics_text import parse_metrics
 
 # A scrape as a server writes it (abridged): Triton's own families, then the project's.
 SCRAPE = """\

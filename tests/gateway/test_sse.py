@@ -93,11 +93,19 @@ def test_a_client_that_leaves_while_an_event_is_written_ends_the_iterator() -> N
 
 
 def test_a_disconnect_after_the_end_cancels_nothing() -> None:
-    async def run() -> bool:
+    async def run() -> tuple[int, int, bool]:
         client = Client()
         await EventStream(Events(2)())({"type": "http"}, client.receive, client.send)
         client.leave()
-        await asyncio.sleep(0.05)  # a cancellation would land in this sleep
-        return True
+        slept = False
+        try:
+            await asyncio.sleep(0.05)  # a cancellation would land in this sleep
+            slept = True
+        except asyncio.CancelledError:
+            pass
+        task = asyncio.current_task()
+        assert task is not None
+        return task.cancelling(), len(asyncio.all_tasks()), slept
 
-    assert asyncio.run(run())
+    cancelling, tasks, slept = asyncio.run(run())
+    assert (cancelling, tasks, slept) == (0, 1, True)  # no watcher outlived the response

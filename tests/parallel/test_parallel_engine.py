@@ -16,6 +16,7 @@ from python_backends import procfs
 from python_backends.config import EngineConfig, EngineConfigError, EngineLimits, ParallelLayout
 from python_backends.engine.builder import write_engine
 from python_backends.engine.engine_loop import build_off_thread
+from python_backends.engine.ranks import RankGroup
 from python_backends.engine.speculative import SpeculationConfig
 from python_backends.parallel.placement import Placement
 from python_backends.params import SamplingParams
@@ -127,7 +128,7 @@ def test_dead_rank_fails_the_step_clearly(tmp_path: Path) -> None:
     engine = model.engine()
     try:
         group = engine.runner.group
-        assert group is not None
+        assert isinstance(group, RankGroup)
         assert (engine.stats().ranks_alive, engine.stats().ranks_total) == (2, 2)
         group.procs[1].kill()
         group.procs[1].wait()

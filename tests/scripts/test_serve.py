@@ -23,10 +23,10 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from python_backends import procfs
-from python_backends.client import scrape
 from python_backends.config import API_KEY_HEADER, GRPC_API_KEY_HEADER
-from python_backends.launcher import SHM_DIR
+from python_backends.metrics_text import scrape
 from python_backends.net import free_port
+from python_backends.ops.launcher import SHM_DIR
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]

@@ -19,7 +19,7 @@ import requests
 
 from python_backends import procfs
 from python_backends.config import API_KEY_HEADER
-from python_backends.launcher import SHM_DIR
+from python_backends.ops.launcher import SHM_DIR
 from tests.scripts.test_serve import ROOT, _descendants
 
 pytestmark = pytest.mark.e2e

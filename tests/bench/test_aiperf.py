@@ -1,10 +1,10 @@
-"""aiperf's command line (python_backends/aiperf.py); runs against a server are in tests/e2e."""
+"""aiperf's command line (python_backends/bench/aiperf.py); runs against a server: tests/e2e."""
 
 from pathlib import Path
 
 import pytest
 
-from python_backends.aiperf import PACE_HZ, Target, command
+from python_backends.bench.aiperf import PACE_HZ, Target, command
 
 TARGET = Target.openai("http://127.0.0.1:1", "m")
 

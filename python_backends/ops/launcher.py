@@ -1,6 +1,6 @@
 """Start, watch and stop the real Triton Inference Server shipped in the nvidia-pytriton wheel.
 
-Used by scripts/serve.sh (as `python -m python_backends.launcher`), the end-to-end tests and the
+Used by scripts/serve.sh (as `python -m python_backends.ops.launcher`), the end-to-end tests and the
 benchmarks, so every path starts the server the same way. The environment traps it handles are
 described in docs/platform.md: the Python stub must sit in the backend directory, runs the virtual
 environment of the first `python3` on PATH, and must link this interpreter's own libpython.
@@ -31,20 +31,17 @@ from python_backends.config import (
     FAULT_INJECTION_ENV,
     FRONT_LOCAL_GROUPS,
     GRPC_API_KEY_HEADER,
+    PROJECT_ROOT,
     ROLE_ENV,
     ROLES,
 )
 from python_backends.net import free_port
-from python_backends.repository import TritonRepository
-from python_backends.watchdog import StubWatchdog
+from python_backends.ops.repository import TritonRepository
+from python_backends.ops.watchdog import StubWatchdog
 
-# Triton 2.51's Python backend aborts the whole server when a stub dies holding a shared-memory
-# lock (tritonserver's thread gets this exception, uncaught: docs/platform.md).
-UPSTREAM_ABORT = "boost::interprocess::lock_exception"
 GATEWAY_PORT = 9000
 MAX_RESTARTS, RESTART_WINDOW_S = 5, 600.0  # serve.sh restarts a dead server this often
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
 # The models each role loads (docs/cluster.md). `all` is one whole server; `front` answers
 # clients and sends engine work to the engine servers named by REMOTE_GROUP_ENVS.
 FRONT_MODELS = ("preprocessing", "front", "postprocessing", "ensemble")

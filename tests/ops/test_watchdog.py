@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from python_backends import procfs
-from python_backends.watchdog import STUB_BINARY, Stub, StubWatchdog, expected_instances, live_stubs
+from python_backends.ops.watchdog import StubWatchdog, expected_instances
+from python_backends.procfs import STUB_BINARY, Stub, live_stubs
 from tests.conftest import Clock
 
 

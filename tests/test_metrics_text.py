@@ -1,8 +1,8 @@
-"""python_backends.client: reading a Prometheus scrape."""
+"""python_backends.metrics_text: reading a Prometheus scrape."""
 
 from __future__ import annotations
 
-from python_backends.client import histogram_quantile, parse_metrics
+from python_backends.metrics_text import histogram_quantile, parse_metrics
 
 SCRAPE = """\
 # HELP nv_inference_count Number of inferences

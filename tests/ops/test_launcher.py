@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from python_backends import launcher
-from python_backends.launcher import (
+from python_backends.ops import launcher
+from python_backends.ops.launcher import (
     PROJECT_ROOT,
-    UPSTREAM_ABORT,
     ServerOptions,
     TritonServer,
 )
+from tests.upstream import UPSTREAM_ABORT
 
 ABORT_LOG = f"""I1130 loading prefill
 terminate called after throwing an instance of '{UPSTREAM_ABORT}'
@@ -114,7 +114,7 @@ def test_sigterm_unwinds_a_script_so_its_servers_are_stopped(tmp_path: Path) -> 
     marker = tmp_path / "stopped"
     code = (
         "import os, signal, time\n"
-        "from python_backends.launcher import stop_on_sigterm\n"
+        "from python_backends.ops.launcher import stop_on_sigterm\n"
         "stop_on_sigterm()\n"
         "try:\n"
         "    os.kill(os.getpid(), signal.SIGTERM)\n"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from python_backends.breakdown import (
+from python_backends.bench.breakdown import (
     ACCEPTED_METRIC,
     DRAFT_METRIC,
     HELPER_CHUNKS_METRIC,
@@ -14,7 +14,7 @@ from python_backends.breakdown import (
     breakdown,
     format_breakdown,
 )
-from python_backends.client import Metrics
+from python_backends.metrics_text import Metrics
 
 
 def phases(**seconds: float) -> Metrics:

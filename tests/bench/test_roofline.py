@@ -7,10 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from python_backends.config import EngineLimits, ParallelLayout
-from python_backends.engine.builder import write_engine
-from python_backends.engine.llm_engine import LLMEngine
-from python_backends.engine.roofline import (
+from python_backends.bench.roofline import (
     Projections,
     Rates,
     Workload,
@@ -19,6 +16,9 @@ from python_backends.engine.roofline import (
     measure,
     random_prompts,
 )
+from python_backends.config import EngineLimits, ParallelLayout
+from python_backends.engine.builder import write_engine
+from python_backends.engine.llm_engine import LLMEngine
 from python_backends.models.llama import LlamaForCausalLM
 from python_backends.parallel.context import ParallelContext
 from python_backends.parallel.layers import int8_supported

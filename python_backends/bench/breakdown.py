@@ -15,8 +15,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from python_backends import procfs
-from python_backends.client import Metrics, metric_delta, scrape
-from python_backends.watchdog import stub_of
+from python_backends.metrics_text import Metrics, metric_delta, scrape
+from python_backends.procfs import stub_of
 
 STEP_PHASES_METRIC = "llm_engine_step_seconds_total"
 KERNEL_CHUNKS_METRIC = "llm_kernel_chunks_total"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from python_backends import peer
+from python_backends.bench import vllm_peer as peer
 from tests.conftest import TinyModel
 
 

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import requests
 
-from python_backends import procfs, soak
-from python_backends.client import metric_sum
-from python_backends.soak import (
+from python_backends import procfs
+from python_backends.bench import soak
+from python_backends.bench.soak import (
     DeadStubs,
     FaultLog,
     LoadWatch,
@@ -25,6 +25,7 @@ from python_backends.soak import (
     unanswered,
     wait_engines_idle,
 )
+from python_backends.metrics_text import metric_sum
 
 
 def test_a_request_in_flight_when_the_front_died_is_lost_not_hung() -> None:
@@ -93,7 +94,7 @@ def test_tritonserver_s_segments_of_dead_stubs_are_told_apart(
     import mmap
     import uuid
 
-    from python_backends.watchdog import STUB_SEGMENT_PREFIX, Stub
+    from python_backends.procfs import STUB_SEGMENT_PREFIX, Stub
 
     names = [f"{STUB_SEGMENT_PREFIX}test_{uuid.uuid4().hex[:8]}" for _ in range(2)]
     regions = []

@@ -6,8 +6,8 @@ import itertools
 
 import pytest
 
-from python_backends.cluster import ClusterPlan
-from python_backends.launcher import ServerError
+from python_backends.ops.cluster import ClusterPlan
+from python_backends.ops.launcher import ServerError
 
 
 def test_engine_servers_first_then_a_front_calling_them() -> None:

@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from python_backends.client import (
+from python_backends.metrics_text import (
     Metrics,
     histogram_quantile,
     label_match,
@@ -26,7 +26,7 @@ from python_backends.client import (
     metric_sum,
     scrape,
 )
-from python_backends.repository import TritonRepository
+from python_backends.ops.repository import TritonRepository
 
 log = logging.getLogger(__name__)
 

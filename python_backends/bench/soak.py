@@ -37,11 +37,12 @@ from typing import Any
 import requests
 
 from python_backends import procfs
-from python_backends.client import GenerateError, LLMClient, as_list, metric_sum, scrape
+from python_backends.bench.client import GenerateError, LLMClient, as_list
 from python_backends.config import RANK_MODULE
 from python_backends.diagnostics import request_stack_dumps
-from python_backends.launcher import TritonServer
-from python_backends.watchdog import STUB_SEGMENT_PREFIX, live_stubs, stub_of
+from python_backends.metrics_text import metric_sum, scrape
+from python_backends.ops.launcher import TritonServer
+from python_backends.procfs import STUB_SEGMENT_PREFIX, live_stubs, stub_of
 
 PROMPTS = [
     "The capital of France is",

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from python_backends.autoscaler import Autoscaler, Metrics, Policy
-from python_backends.client import histogram_quantile
+from python_backends.metrics_text import histogram_quantile
+from python_backends.ops.autoscaler import Autoscaler, Metrics, Policy
 
 BUCKETS = (0.05, 0.1, 0.2, 0.5, 1.0, float("inf"))
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from python_backends.config import API_KEY_ENV
-from python_backends.launcher import (
+from python_backends.ops.launcher import (
     GATEWAY_PORT,
     REMOTE_GROUP_ENVS,
     RestartBudget,

@@ -21,41 +21,11 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
-from python_backends import procfs
+from python_backends.procfs import Stub, live_stubs
 
 log = logging.getLogger(__name__)
-STUB_BINARY = "triton_python_backend_stub"
-STUB_SEGMENT_PREFIX = "triton_python_backend_shm_region_"  # a stub's segment in /dev/shm
-
-
-@dataclass(frozen=True)
-class Stub:
-    pid: int
-    model: str
-    instance: str
-    started: int = 0  # start time (clock ticks since boot): the newest stub of an instance wins
-    region: str = ""  # its shared-memory segment in /dev/shm, which tritonserver maps too
-
-
-def stub_of(proc: procfs.Process) -> Stub | None:
-    """The Python-backend stub `proc` is, None if it is another process (or gone)."""
-    argv = proc.cmdline()
-    if argv is None or len(argv) < 9 or not argv[0].endswith(STUB_BINARY):
-        return None
-    model_file = Path(argv[1])  # <repository>/<model>/<version>/model.py
-    return Stub(proc.pid, model_file.parent.parent.name, argv[8], proc.start_ticks,
-                argv[2].lstrip("/"))
-
-
-def live_stubs(server_pid: int) -> list[Stub]:
-    """The Python-backend stubs of a tritonserver process that are running (not zombies)."""
-    return [s for proc in procfs.running_children(server_pid) if (s := stub_of(proc))]
-
-
 def expected_instances(config: dict[str, Any]) -> set[str]:
     """Instance names Triton gives a model's instance groups: `<group name>_<index>`."""
     model = config["name"]
