@@ -19,6 +19,7 @@ come and go are picked up. Each call goes to the server with the fewest calls in
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import queue
 import socket
@@ -31,23 +32,14 @@ from typing import Any
 import grpc
 import numpy as np
 
-from python_backends.wire import ErrorKind
+from python_backends.front.channel import Caller, EngineLost, Reply, batched
+from python_backends.front.migration import MigrationReason, Moved
+from python_backends.wire import EngineRequest, Message
 
 # Triton answers like these mean the model is not there to serve (not loaded yet, unloading,
 # its stub dead): the call can go to another server, unlike an error of the request itself.
 UNAVAILABLE_MARKERS = ("is not healthy", "is not ready", "unknown model", "is not found",
                        "unavailable")
-
-
-@dataclass(frozen=True)
-class Reply:
-    """One answer of an engine call, local or remote: its tensors, or an error. `unavailable`:
-    the engine's server or instance is gone, so the request may go on elsewhere."""
-
-    outputs: dict[str, np.ndarray] | None = None
-    error: str = ""
-    kind: str = ErrorKind.INTERNAL.value  # the error's ErrorKind value
-    unavailable: bool = False
 
 
 def _resolve(name: str, port: int) -> list[str]:
@@ -123,13 +115,17 @@ class ServerSet:
 
 
 class RemoteGroup:
-    """One engine model served by other Triton servers."""
+    """One engine model served by other Triton servers (a front.channel.Channel)."""
 
-    def __init__(self, model: str, servers: ServerSet, headers: dict[str, str] | None = None
-                 ) -> None:
+    steers_away = True  # a server that failed a call is left out for `down_for_s`
+
+    def __init__(self, model: str, servers: ServerSet, headers: dict[str, str] | None = None,
+                 check_every_s: float = 0.5) -> None:
+        """`check_every_s`: how often a waiting call looks whether its client went away."""
         self.model = model
         self.servers = servers
         self.headers = headers or {}
+        self.check_every_s = check_every_s
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()
 
@@ -157,6 +153,25 @@ class RemoteGroup:
             return RemoteCall.failed(f"{self.model}: no server of the group is up "
                                      f"({self.servers.spec})")
         return RemoteCall(self, address, inputs, outputs)
+
+    def answers(self, message: EngineRequest, answer: type[Message],
+                caller: Caller) -> Iterator[Reply]:
+        """A call on another server. No cancel board crosses servers: when the client goes
+        away the call's stream is cancelled, which the engine sees as a cancellation."""
+        message = dataclasses.replace(message, cancel_board=None, cancel_ticket=0)
+        call = self.call(message.encode(batched(answer)), answer.names())
+        while True:
+            if caller.check_cancelled():
+                call.cancel()
+            try:
+                reply = call.next(timeout=self.check_every_s)
+            except queue.Empty:
+                continue
+            if reply is RemoteCall.END:
+                return
+            if reply.unavailable:
+                raise EngineLost(Moved(MigrationReason.INSTANCE_DOWN, reply.error))
+            yield reply
 
     def close(self) -> None:
         with self._lock:

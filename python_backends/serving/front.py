@@ -1,11 +1,10 @@
-"""`front`: the decoupled BLS front of every request.
+"""`front`: the decoupled BLS front of every request, as Triton glue.
 
-It routes each tokenized request (see front.routing): to the aggregated `worker` group, or
-to the `prefill` group (first token and KV handle; the token is sent at once) and then the
-`decode` group with the handle. It turns the engine's per-step responses into client chunks
-(one per engine step when streaming, one in all otherwise) and watches for client
-cancellation, which it relays to the engine through the cancel board (and to a prefill lease,
-which it abandons).
+It admits each tokenized request (admission control, rate limits, a cancel ticket) and hands it
+to front.orchestrator, which routes it over the engine groups and relays their steps as client
+chunks. What is Triton's stays here: the response sender behind each request's ClientLink, and
+LocalGroup, the engine groups of this server called over BLS (front.channel's other
+implementation, for groups on other servers, is front.remote.RemoteGroup).
 """
 
 from __future__ import annotations
@@ -40,19 +39,14 @@ from python_backends.front.admission import (
     RejectReason,
     parse_rate_limits,
 )
+from python_backends.front.channel import Caller, Channel, EngineLost, Reply, batched
 from python_backends.front.liveness import HolderWatch, IdleProber
-from python_backends.front.migration import (
-    STUB_UNHEALTHY,
-    MigrationBudget,
-    MigrationReason,
-    Moved,
-    next_engine,
-)
-from python_backends.front.remote import RemoteCall, RemoteGroup, Reply, ServerSet
-from python_backends.front.routing import Route, Router, RoutingPolicy
+from python_backends.front.migration import STUB_UNHEALTHY, MigrationReason, Moved
+from python_backends.front.orchestrator import EngineGroups, Orchestrator
+from python_backends.front.remote import RemoteGroup, ServerSet
+from python_backends.front.routing import Router, RoutingPolicy
 from python_backends.front.stream import RequestStream
 from python_backends.front.tenancy import CacheSharing
-from python_backends.front.validation import InvalidRequest
 from python_backends.kv_transfer.base import KVHandle, abandon
 from python_backends.procfs import live_stubs
 from python_backends.serving.bls import Answers, BLSStreams
@@ -72,9 +66,7 @@ from python_backends.wire import (
     ErrorKind,
     GenerationRequest,
     Message,
-    PrefillAnswer,
     TokenizedRequest,
-    TokenStep,
 )
 
 log = logging.getLogger(__name__)
@@ -99,7 +91,8 @@ def error_kind(code: Any) -> str:
     }.get(code, ErrorKind.INTERNAL).value
 
 
-def remote_groups(margs: ModelArgs, models: list[str]) -> dict[str, RemoteGroup]:
+def remote_groups(margs: ModelArgs, models: list[str], check_every_s: float
+                  ) -> dict[str, RemoteGroup]:
     """The engine groups other servers serve: model -> its group, for each model whose
     `<model>_servers` parameter, else $LLM_<MODEL>_SERVERS, names servers (host:port,... or
     dns:NAME:PORT; see front.remote). Calls carry this server's API key, if it has one."""
@@ -112,7 +105,7 @@ def remote_groups(margs: ModelArgs, models: list[str]) -> dict[str, RemoteGroup]
         if not spec:
             continue
         try:
-            groups[model] = RemoteGroup(model, ServerSet(spec), headers)
+            groups[model] = RemoteGroup(model, ServerSet(spec), headers, check_every_s)
         except ValueError as e:
             raise pb_utils.TritonModelException(f"front: {model}_servers: {e}") from None
     return groups
@@ -176,9 +169,9 @@ class ClientLink:
         if not final:
             self._streamed = chunk
 
-    def fail(self, message: str, code: Any) -> None:
+    def fail(self, message: str, kind: ErrorKind) -> None:
         if self._streamed is None:
-            self._send(error_response(message, code), FINAL)
+            self._send(error_response(message, error_code(kind.value)), FINAL)
         else:
             self._send(response(self._streamed.failed(message), batched=True), FINAL)
         self.cancelled = True  # nothing more goes to this client
@@ -206,41 +199,91 @@ class ClientLink:
             self.closed = flags == FINAL
 
 
-class _EngineLost(Exception):
-    def __init__(self, moved: Moved) -> None:
-        super().__init__(moved.detail)
-        self.moved = moved
+class LocalGroup:
+    """An engine model of this server, called over BLS (a front.channel.Channel)."""
+
+    steers_away = False  # Triton may hand a call to the same dead instance again
+
+    def __init__(self, model: str, bls: BLSStreams, board: FlagBoard, check_every_s: float
+                 ) -> None:
+        """`check_every_s`: how long a call may be quiet before the engine holding it is
+        looked for (its death ends no BLS call: see serving.bls.Answers)."""
+        self.model = model
+        self._bls = bls
+        self._board = board
+        self.check_every_s = check_every_s
+
+    def answers(self, message: EngineRequest, answer: type[Message],
+                caller: Caller) -> Iterator[Reply]:
+        watch = HolderWatch(self._board, caller.ticket)
+        watch.clear()  # the engine that takes this call records itself
+        answers = Answers(self._bls, bls_request(self.model, message, batched(answer), answer))
+        while True:
+            try:
+                item = answers.next(timeout=self.check_every_s)
+            except queue.Empty:
+                if watch.engine_gone():
+                    raise EngineLost(Moved(MigrationReason.ENGINE_DIED,
+                                           f"{self.model} process {watch.holder()} died")
+                                     ) from None
+                continue
+            if item is Answers.END:
+                return
+            if isinstance(item, Exception):
+                raise item
+            if not item.has_error():
+                yield Reply(outputs=outputs_of(item))
+                continue
+            error = item.error()
+            if STUB_UNHEALTHY in error.message():
+                raise EngineLost(Moved(MigrationReason.INSTANCE_DOWN, error.message()))
+            yield Reply(error=error.message(), kind=error_kind(error.code()))
+
+    def live(self) -> bool:
+        """Whether some instance has a live stub (stubs are tritonserver's children, as this
+        one is)."""
+        return any(stub.model == self.model for stub in live_stubs(os.getppid()))
 
 
 class FrontModel:
     def initialize(self, args: dict[str, str]) -> None:
         margs = ModelArgs(args)
         set_up_process(margs.instance_name)
-        self.worker_model = margs.param("worker_model", "worker")
-        self.prefill_model = margs.param("prefill_model")
-        self.decode_model = margs.param("decode_model")
-        self.remote = remote_groups(
-            margs, [self.worker_model, self.prefill_model, self.decode_model])
+        engine_check_s = float(margs.param("engine_check_interval_seconds", "0.5"))
+        models = (margs.param("worker_model", "worker"), margs.param("prefill_model"),
+                  margs.param("decode_model"))
+        self.remote = remote_groups(margs, list(models), engine_check_s)
         try:
-            self.worker_model, self.prefill_model, self.decode_model = served_groups(
-                os.environ.get(ROLE_ENV, "all"),
-                (self.worker_model, self.prefill_model, self.decode_model), set(self.remote))
+            worker, prefill, decode = served_groups(
+                os.environ.get(ROLE_ENV, "all"), models, set(self.remote))
         except ValueError as e:
             raise pb_utils.TritonModelException(f"front: {e}") from None
-        if bool(self.prefill_model) != bool(self.decode_model):
-            raise pb_utils.TritonModelException(
-                "front: set both prefill_model and decode_model, or neither"
-            )
-        self.router = Router(RoutingPolicy(
-            disaggregation=bool(self.prefill_model),
-            aggregation=bool(self.worker_model),
-            min_prompt_tokens=margs.int_param("disaggregation_min_prompt_tokens", 256),
-            max_inflight_prefills=margs.int_param("disaggregation_max_inflight_prefills", 8),
-        ))
         self._boards = BoardCache()  # prefill instances' release boards
         self.bls = BLSStreams()  # every BLS call goes through it (see serving.bls)
         self.board = FlagBoard.create()
+
+        def group(model: str) -> Channel | None:
+            if not model:
+                return None
+            return self.remote.get(model) or LocalGroup(model, self.bls, self.board,
+                                                        engine_check_s)
+
+        try:
+            groups = EngineGroups(group(worker), group(prefill), group(decode))
+        except ValueError as e:
+            raise pb_utils.TritonModelException(
+                f"front: {e} (prefill_model and decode_model go together)") from None
+        router = Router(RoutingPolicy(
+            disaggregation=bool(prefill),
+            aggregation=bool(worker),
+            min_prompt_tokens=margs.int_param("disaggregation_min_prompt_tokens", 256),
+            max_inflight_prefills=margs.int_param("disaggregation_max_inflight_prefills", 8),
+        ))
         self.metrics = RequestMetrics(margs.model_name)
+        self.orchestrator = Orchestrator(
+            groups, router, self.board.name, self.metrics,
+            lambda handle: abandon(KVHandle.from_json(handle), self._boards),
+            migration_limit=margs.int_param("migration_limit", 3))
         self.admission_metrics = AdmissionMetrics(
             margs.model_name, tuple(r.value for r in RejectReason)
         )
@@ -258,8 +301,6 @@ class FrontModel:
             max_workers=margs.int_param("max_concurrent_requests", 1024),
             thread_name_prefix="request",
         )
-        self.migration_limit = margs.int_param("migration_limit", 3)
-        self.engine_check_s = float(margs.param("engine_check_interval_seconds", "0.5"))
         self.prober = IdleProber(float(margs.param("client_probe_interval_seconds", "1.0")))
         self.prober.start()
 
@@ -283,7 +324,7 @@ class FrontModel:
             self._serve_one(link, req)
         except Exception as e:
             log.exception("request failed")
-            link.fail(f"front: {e}", pb_utils.TritonError.INTERNAL)
+            link.fail(f"front: {e}", ErrorKind.INTERNAL)
         finally:
             link.close()  # every request ends inside Triton too, whatever happened
 
@@ -296,13 +337,13 @@ class FrontModel:
             self.admission.enter(prompt_tokens)
         except Rejected as e:
             self.admission_metrics.rejected(e.reason.value, req.tenant)
-            link.fail(str(e), pb_utils.TritonError.UNAVAILABLE)
+            link.fail(str(e), ErrorKind.UNAVAILABLE)
             return
         try:
             ticket = self.board.acquire()
         except BoardFull as e:
             self.admission.leave(prompt_tokens)
-            link.fail(f"{OVERLOADED_PREFIX} {e}", pb_utils.TritonError.UNAVAILABLE)
+            link.fail(f"{OVERLOADED_PREFIX} {e}", ErrorKind.UNAVAILABLE)
             return
         link.attach(self.board, ticket, lambda: self.admission.leave(prompt_tokens))
         state = RequestStream(req.prompt_ids, req.stream, req.exclude_input_in_output,
@@ -310,205 +351,11 @@ class FrontModel:
         state.resume(req.resume_ids)
         self.prober.add(link)
         try:
-            self._route(req, state, link)
+            self.orchestrator.serve(req, state, link)
         finally:
             self.prober.discard(link)
             self.board.release(ticket)
             link.first_response()
-
-    def _deliver(self, link: ClientLink, state: RequestStream, chunk: ClientChunk) -> None:
-        """Send a chunk; the one that finishes the request is counted before it goes out, so a
-        client holding its answer finds the request in the metrics."""
-        final = bool(chunk.finish_reason)
-        if final and not link.cancelled:
-            self.metrics.finished(state)
-        link.send(chunk, final=final)
-
-    def _route(self, req: GenerationRequest, state: RequestStream, link: ClientLink) -> None:
-        if req.resume_ids:  # moved here from another server: an engine computes them with
-            # the prompt and goes on (no prefill: there is more than a prompt to compute)
-            self.metrics.routed(Route.AGGREGATED.value)
-            self._generate(self.worker_model or self.decode_model, EngineRequest(
-                req, self.board.name, link.ticket, resume_ids=list(req.resume_ids)), state, link)
-            return
-        try:
-            route = self.router.choose(req.route, len(req.prompt_ids))
-        except InvalidRequest as e:
-            link.fail(str(e), pb_utils.TritonError.INVALID_ARG)
-            return
-        engine_request = EngineRequest(req, self.board.name, link.ticket)
-        if route is Route.AGGREGATED:
-            self.metrics.routed(route.value)
-            self._generate(self.worker_model, engine_request, state, link)
-            return
-        try:
-            prefilled = self._prefill(engine_request, link)
-        finally:
-            self.router.prefill_done()
-        if prefilled is None and link.check_cancelled():
-            return  # the prefill was dropped because the client went away
-        if prefilled is None:  # the prefill group failed: decode computes the prompt itself
-            self.metrics.routed("disaggregated_fallback")
-            self._generate(self.decode_model, engine_request, state, link)
-            return
-        self.metrics.routed(route.value)
-        link.first_response()
-        chunk = state.add([prefilled.token_id], [prefilled.log_prob], prefilled.finish_reason)
-        if chunk is not None:
-            self._deliver(link, state, chunk)
-        if prefilled.finish_reason:
-            return
-        if link.check_cancelled():  # the decode step never comes: free the lease now
-            abandon(KVHandle.from_json(prefilled.kv_handle), self._boards)
-            return
-        self._generate(self.decode_model, dataclasses.replace(
-            engine_request, kv_handle=prefilled.kv_handle, first_token=prefilled.token_id,
-            first_log_prob=prefilled.log_prob,
-        ), state, link)
-
-    def _answers(self, model: str, message: EngineRequest, answer: type[Message],
-                 link: ClientLink) -> Iterator[Reply]:
-        """The answers of one engine call of `message` to `model`, local (BLS) or on another
-        server. Raises _EngineLost when the engine holding the request died, or its instance
-        or server is not there to take it."""
-        batched = answer is PrefillAnswer  # prefill takes dynamic batches; engines do not
-        group = self.remote.get(model)
-        if group is not None:
-            yield from self._remote_answers(group, message, batched, answer, link)
-            return
-        watch = HolderWatch(self.board, link.ticket)
-        watch.clear()  # the engine that takes this call records itself
-        answers = Answers(self.bls, bls_request(model, message, batched, answer))
-        while True:
-            try:
-                item = answers.next(timeout=self.engine_check_s)
-            except queue.Empty:
-                if watch.engine_gone():
-                    raise _EngineLost(Moved(MigrationReason.ENGINE_DIED,
-                                            f"{model} process {watch.holder()} died")) from None
-                continue
-            if item is Answers.END:
-                return
-            if isinstance(item, Exception):
-                raise item
-            if not item.has_error():
-                yield Reply(outputs=outputs_of(item))
-                continue
-            error = item.error()
-            if STUB_UNHEALTHY in error.message():
-                raise _EngineLost(Moved(MigrationReason.INSTANCE_DOWN, error.message()))
-            yield Reply(error=error.message(), kind=error_kind(error.code()))
-
-    def _remote_answers(self, group: RemoteGroup, message: EngineRequest, batched: bool,
-                        answer: type[Message], link: ClientLink) -> Iterator[Reply]:
-        """A call on another server. No cancel board crosses servers: when the client goes
-        away the front cancels the call's stream, which the engine sees as a cancellation."""
-        message = dataclasses.replace(message, cancel_board=None, cancel_ticket=0)
-        call = group.call(message.encode(batched), answer.names())
-        while True:
-            if link.check_cancelled():
-                call.cancel()
-            try:
-                reply = call.next(timeout=self.engine_check_s)
-            except queue.Empty:
-                continue
-            if reply is RemoteCall.END:
-                return
-            if reply.unavailable:
-                raise _EngineLost(Moved(MigrationReason.INSTANCE_DOWN, reply.error))
-            yield reply
-
-    def _prefill(self, engine_request: EngineRequest, link: ClientLink) -> PrefillAnswer | None:
-        """The prefill group's answer; None when it failed or died (logged: decode then
-        computes the prompt itself). A remote prefill server that is gone is tried once more
-        on another server of its group."""
-        group = self.remote.get(self.prefill_model)
-        for attempt in range(2):
-            try:
-                return self._prefill_once(engine_request, link)
-            except _EngineLost as e:
-                self.metrics.migrated(e.moved.reason.value)
-                retry = attempt == 0 and group is not None and group.live()
-                log.warning("prefill lost (%s), %s", e,
-                            "trying another server" if retry else "decode will recompute")
-                if not retry:
-                    break
-        return None
-
-    def _prefill_once(self, engine_request: EngineRequest, link: ClientLink
-                      ) -> PrefillAnswer | None:
-        result = None
-        for reply in self._answers(self.prefill_model, engine_request, PrefillAnswer, link):
-            if reply.error:
-                log.warning("prefill failed, decode will recompute: %s", reply.error)
-            elif reply.outputs:
-                result = PrefillAnswer.decode(reply.outputs)
-        return result
-
-    def _generate(self, model: str, engine_request: EngineRequest, state: RequestStream,
-                  link: ClientLink) -> None:
-        """Relay an engine's tokens to the client, moving the request to a live engine when
-        the one holding it dies (front.migration)."""
-        budget = MigrationBudget(self.migration_limit)
-        while True:
-            moved = self._relay(model, engine_request, state, link)
-            if moved is None or link.check_cancelled():
-                return
-            if engine_request.kv_handle:  # its lease is not needed any more, pulled or not
-                abandon(KVHandle.from_json(engine_request.kv_handle), self._boards)
-            target = next_engine(model, [m for m in (self.worker_model, self.decode_model)
-                                         if m != model], moved.reason, self._live)
-            if target is None or not budget.spend():
-                self.metrics.unserved()
-                why = "no engine instance is left" if target is None else (
-                    f"moved {budget.limit} times already")
-                link.fail(f"the engine serving this request failed ({moved.detail}) and {why}",
-                          pb_utils.TritonError.UNAVAILABLE)
-                return
-            self.metrics.migrated(moved.reason.value)
-            log.warning("request moved from %s to %s after %d tokens: %s", model, target,
-                        len(state.output_ids), moved.detail)
-            model = target
-            engine_request = dataclasses.replace(
-                engine_request, kv_handle=None, first_token=None, first_log_prob=None,
-                resume_ids=list(state.output_ids))
-
-    def _live(self, model: str) -> bool:
-        """Whether some instance of `model` has a live stub (stubs are tritonserver's
-        children, as this one is), or for a remote group, whether some server is up."""
-        group = self.remote.get(model)
-        if group is not None:
-            return group.live()
-        return any(stub.model == model for stub in live_stubs(os.getppid()))
-
-    def _relay(self, model: str, engine_request: EngineRequest, state: RequestStream,
-               link: ClientLink) -> Moved | None:
-        """Stream one engine call's responses to the client as chunks; a Moved when the
-        request must go on elsewhere."""
-        moved = None
-        try:
-            for reply in self._answers(model, engine_request, TokenStep, link):
-                if not (reply.outputs or reply.error):
-                    continue  # the engine's acceptance (serving.common.accepted)
-                link.first_response()  # a token or an error ends the wait
-                if reply.error:  # keeps the engine's kind: a refusal is the client's
-                    link.fail(reply.error, error_code(reply.kind))
-                    continue
-                if link.check_cancelled() or not reply.outputs:
-                    continue  # drain until the engine's final response
-                step = TokenStep.decode(reply.outputs)
-                if not step.error:
-                    chunk = state.add(step.output_ids, step.output_log_probs,
-                                      step.finish_reason)
-                    if chunk is not None:
-                        self._deliver(link, state, chunk)
-                elif step.error_kind == ErrorKind.UNAVAILABLE.value:
-                    moved = Moved(MigrationReason.ENGINE_UNAVAILABLE, step.error)
-                else:  # keeps the engine's kind: a refusal is the client's mistake
-                    link.fail(step.error, error_code(step.error_kind))
-        except _EngineLost as e:
-            return e.moved
-        return moved
 
     def finalize(self) -> None:
         self.prober.close()

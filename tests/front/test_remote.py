@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from python_backends.front.remote import RemoteCall, RemoteGroup, Reply, ServerSet
+from python_backends.front.channel import Reply
+from python_backends.front.remote import RemoteCall, RemoteGroup, ServerSet
 from python_backends.net import free_port
 from tests.conftest import Clock
 
