@@ -16,6 +16,8 @@ import triton_python_backend_utils as pb_utils
 
 from python_backends.config import engine_dir_default
 from python_backends.flag_board import BoardCache, FlagBoard
+from python_backends.serving.options import OptionError, Options
+from python_backends.serving.options import parse as parse_options
 from python_backends.serving.outbox import Outbox, caller_lane
 from python_backends.wire import EngineRequest, Message
 
@@ -39,38 +41,34 @@ class ModelArgs:
 
         return Placement.from_triton_args(self._args)
 
-    def param(self, key: str, default: str = "") -> str:
-        value = self.config.get("parameters", {}).get(key, {}).get("string_value", "")
-        return value or default
-
-    def int_param(self, key: str, default: int) -> int:
-        value = self.param(key)
+    def options(self, cls: type[Options]) -> Options:
+        """The model's parameters as `cls` (serving.options), checked once; a bad one stops
+        the load with its name."""
+        params = {key: value.get("string_value", "")
+                  for key, value in self.config.get("parameters", {}).items()}
         try:
-            return int(value) if value else default
-        except ValueError:
-            raise pb_utils.TritonModelException(
-                f"{self.model_name}: parameter {key} must be an integer, got {value!r}"
-            ) from None
+            return parse_options(cls, params)
+        except OptionError as e:
+            raise pb_utils.TritonModelException(f"{self.model_name}: {e}") from None
 
-    def engine_dir(self) -> Path:
-        """Engine directory: the model's `engine_dir` parameter, else $LLM_ENGINE_DIR, else the
-        default engine that scripts/serve.sh builds."""
-        value = self.param("engine_dir")
-        return Path(value) if value else engine_dir_default()
+
+def engine_path(engine_dir: str) -> Path:
+    """An `engine_dir` parameter's directory: itself, or when empty $LLM_ENGINE_DIR, else the
+    default engine that scripts/serve.sh builds."""
+    return Path(engine_dir) if engine_dir else engine_dir_default()
 
 
 # `kv_transports: auto`: what the instance's KV pool allows, fastest first.
 AUTO_TRANSPORTS = {False: "nixl,host_shm", True: "cuda_ipc,nixl"}  # by "on a GPU"
 
 
-def kv_transports(margs: ModelArgs, default: str = "") -> list[str]:
+def kv_transports(margs: ModelArgs, value: str) -> list[str]:
     """The model's `kv_transports` parameter: comma-separated, in order of preference, or
     `auto` (AUTO_TRANSPORTS by the instance's kind). NIXL is left out, with a warning, where
     nixl-cu12 is not installed."""
     from python_backends.kv_transfer import nixl
     from python_backends.kv_transfer.factory import TransportUnavailable, check_names
 
-    value = margs.param("kv_transports", default)
     if value.strip() == "auto":
         value = AUTO_TRANSPORTS[margs.placement.on_gpu]
     names = [n.strip() for n in value.split(",") if n.strip()]

@@ -60,6 +60,7 @@ from python_backends.serving.common import (
     response,
 )
 from python_backends.serving.metrics import AdmissionMetrics, RequestMetrics
+from python_backends.serving.options import FrontOptions
 from python_backends.wire import (
     ClientChunk,
     EngineRequest,
@@ -91,23 +92,24 @@ def error_kind(code: Any) -> str:
     }.get(code, ErrorKind.INTERNAL).value
 
 
-def remote_groups(margs: ModelArgs, models: list[str], check_every_s: float
-                  ) -> dict[str, RemoteGroup]:
-    """The engine groups other servers serve: model -> its group, for each model whose
-    `<model>_servers` parameter, else $LLM_<MODEL>_SERVERS, names servers (host:port,... or
+def remote_groups(options: FrontOptions) -> dict[str, RemoteGroup]:
+    """The engine groups other servers serve: model -> its group, for each group whose
+    `<group>_servers` parameter, else $LLM_<GROUP>_SERVERS, names servers (host:port,... or
     dns:NAME:PORT; see front.remote). Calls carry this server's API key, if it has one."""
     key = os.environ.get(API_KEY_ENV)
     headers = {GRPC_API_KEY_HEADER: key} if key else None
     groups = {}
-    for model in filter(None, models):
-        spec = (margs.param(f"{model}_servers")
-                or os.environ.get(f"LLM_{model.upper()}_SERVERS", ""))
-        if not spec:
+    for group in ENGINE_GROUPS:
+        model = getattr(options, f"{group}_model")
+        spec = (getattr(options, f"{group}_servers")
+                or os.environ.get(f"LLM_{group.upper()}_SERVERS", ""))
+        if not (model and spec):
             continue
         try:
-            groups[model] = RemoteGroup(model, ServerSet(spec), headers, check_every_s)
+            groups[model] = RemoteGroup(model, ServerSet(spec), headers,
+                                        options.engine_check_interval_seconds)
         except ValueError as e:
-            raise pb_utils.TritonModelException(f"front: {model}_servers: {e}") from None
+            raise pb_utils.TritonModelException(f"front: {group}_servers: {e}") from None
     return groups
 
 
@@ -249,10 +251,10 @@ class FrontModel:
     def initialize(self, args: dict[str, str]) -> None:
         margs = ModelArgs(args)
         set_up_process(margs.instance_name)
-        engine_check_s = float(margs.param("engine_check_interval_seconds", "0.5"))
-        models = (margs.param("worker_model", "worker"), margs.param("prefill_model"),
-                  margs.param("decode_model"))
-        self.remote = remote_groups(margs, list(models), engine_check_s)
+        options = margs.options(FrontOptions)
+        engine_check_s = options.engine_check_interval_seconds
+        models = (options.worker_model, options.prefill_model, options.decode_model)
+        self.remote = remote_groups(options)
         try:
             worker, prefill, decode = served_groups(
                 os.environ.get(ROLE_ENV, "all"), models, set(self.remote))
@@ -276,32 +278,32 @@ class FrontModel:
         router = Router(RoutingPolicy(
             disaggregation=bool(prefill),
             aggregation=bool(worker),
-            min_prompt_tokens=margs.int_param("disaggregation_min_prompt_tokens", 256),
-            max_inflight_prefills=margs.int_param("disaggregation_max_inflight_prefills", 8),
+            min_prompt_tokens=options.disaggregation_min_prompt_tokens,
+            max_inflight_prefills=options.disaggregation_max_inflight_prefills,
         ))
         self.metrics = RequestMetrics(margs.model_name)
         self.orchestrator = Orchestrator(
             groups, router, self.board.name, self.metrics,
             lambda handle: abandon(KVHandle.from_json(handle), self._boards),
-            migration_limit=margs.int_param("migration_limit", 3))
+            migration_limit=options.migration_limit)
         self.admission_metrics = AdmissionMetrics(
             margs.model_name, tuple(r.value for r in RejectReason)
         )
         self.admission = AdmissionControl(AdmissionLimits(
-            max_waiting_requests=margs.int_param("max_waiting_requests", 256),
-            max_waiting_tokens=margs.int_param("max_waiting_tokens", 65536),
+            max_waiting_requests=options.max_waiting_requests,
+            max_waiting_tokens=options.max_waiting_tokens,
         ))
         try:
-            limits = parse_rate_limits(margs.param("rate_limits"))
+            limits = parse_rate_limits(options.rate_limits)
         except ValueError as e:
             raise pb_utils.TritonModelException(f"front: bad rate_limits: {e}") from None
         self.rate_limiter = RateLimiter(limits)
-        self.cache_sharing = CacheSharing.parse(margs.param("prefix_cache_shared_tenants"))
+        self.cache_sharing = CacheSharing.parse(options.prefix_cache_shared_tenants)
         self.pool = ThreadPoolExecutor(
-            max_workers=margs.int_param("max_concurrent_requests", 1024),
+            max_workers=options.max_concurrent_requests,
             thread_name_prefix="request",
         )
-        self.prober = IdleProber(float(margs.param("client_probe_interval_seconds", "1.0")))
+        self.prober = IdleProber(options.client_probe_interval_seconds)
         self.prober.start()
 
     def execute(self, requests: list[Any]) -> None:

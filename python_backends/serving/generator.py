@@ -8,7 +8,6 @@ them) and continues from the first token; if the pull fails it recomputes the pr
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -37,12 +36,14 @@ from python_backends.serving.common import (
     ModelArgs,
     ShuttingDown,
     engine_calls,
+    engine_path,
     error_response,
     kv_transports,
     response,
 )
-from python_backends.serving.engine_options import cpu_threads, prefix_caching, speculation
+from python_backends.serving.engine_options import prefix_caching, speculation
 from python_backends.serving.metrics import EngineMetrics, KVTransferMetrics
+from python_backends.serving.options import DecodeOptions, GeneratorOptions
 from python_backends.serving.outbox import Outbox, caller_gone
 from python_backends.wire import ErrorKind, TokenStep
 
@@ -79,36 +80,34 @@ def step_response(step: TokenStep) -> Any:
 
 
 class GeneratorModel(EngineListener):
+    OPTIONS: type[GeneratorOptions] = GeneratorOptions  # the model's parameters
+
     def initialize(self, args: dict[str, str]) -> None:
         margs = ModelArgs(args)
         set_up_process(margs.instance_name)
         self.name = margs.model_name
-        try:
-            weights = {k: float(v) for k, v in json.loads(margs.param("tenant_weights", "{}"))
-                       .items()}
-        except (ValueError, AttributeError) as e:
-            raise pb_utils.TritonModelException(f"worker: bad tenant_weights: {e}") from None
+        options = margs.options(self.OPTIONS)
         engine = build_off_thread(partial(
             LLMEngine.from_engine_dir,
-            margs.engine_dir(),
-            num_kv_blocks=margs.int_param("kv_cache_blocks", 1024),
-            enable_chunked_prefill=margs.param("enable_chunked_prefill", "true") == "true",
-            waiting=PriorityFairQueue(weights),
+            engine_path(options.engine_dir),
+            num_kv_blocks=options.kv_cache_blocks,
+            enable_chunked_prefill=options.enable_chunked_prefill,
+            waiting=PriorityFairQueue(options.weights()),
             placement=margs.placement,
-            cpu_threads=cpu_threads(margs), speculation=speculation(margs),
-            **prefix_caching(margs),
+            cpu_threads=options.threads, speculation=speculation(options),
+            **prefix_caching(options),
         ))
         self.metrics = EngineMetrics(margs.model_name, margs.instance_name)
         self._callers: dict[str, _Caller] = {}
         self._boards = BoardCache()
-        transports = kv_transports(margs)
+        transports = kv_transports(margs, options.kv_transports)
         self.kv_metrics = KVTransferMetrics(margs.model_name, margs.instance_name, transports)
         try:
             self._sinks = make_sinks(transports, engine.handoff.layout, engine.handoff.pool,
                                      margs.model_name, self._boards)
         except TransportUnavailable as e:
             raise pb_utils.TritonModelException(f"{margs.model_name}: {e}") from None
-        self.drain_timeout_s = float(margs.param("drain_timeout_seconds", "60"))
+        self.drain_timeout_s = options.drain_timeout_seconds
         self.outbox = Outbox(margs.instance_name)
         self._restarting = False
         self.loop = EngineLoop(engine, self)
@@ -269,3 +268,10 @@ class GeneratorModel(EngineListener):
         for sink in self._sinks.values():
             sink.close()
         self._boards.close()
+
+
+class DecodeModel(GeneratorModel):
+    """decode: a generator whose requests mostly arrive prefilled elsewhere, so its KV
+    transports are on by default."""
+
+    OPTIONS = DecodeOptions

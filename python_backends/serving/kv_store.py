@@ -16,8 +16,9 @@ from python_backends.config import EngineConfig
 from python_backends.diagnostics import set_up_process
 from python_backends.engine.loader import kv_layout
 from python_backends.kv_store.host_store import HostKVStore, store_name
-from python_backends.serving.common import ModelArgs, response
+from python_backends.serving.common import ModelArgs, engine_path, response
 from python_backends.serving.metrics import KVStoreMetrics
+from python_backends.serving.options import KVStoreOptions
 from python_backends.wire import StoreStatus
 
 log = logging.getLogger(__name__)
@@ -28,9 +29,10 @@ class KVStoreModel:
     def initialize(self, args: dict[str, str]) -> None:
         margs = ModelArgs(args)
         set_up_process(margs.instance_name)
-        config = EngineConfig.load(margs.engine_dir())
+        options = margs.options(KVStoreOptions)
+        config = EngineConfig.load(engine_path(options.engine_dir))
         block = kv_layout(config, 1, whole=True)
-        size_mb = margs.int_param("size_mb", 1024)
+        size_mb = options.size_mb
         slots = size_mb * 2**20 // block.nbytes
         if slots < 1:
             raise pb_utils.TritonModelException(

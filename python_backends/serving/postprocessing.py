@@ -14,10 +14,12 @@ from python_backends.flag_board import BoardCache
 from python_backends.serving.common import (
     FINAL,
     ModelArgs,
+    engine_path,
     error_response,
     inputs_of,
     response,
 )
+from python_backends.serving.options import TokenizerOptions
 from python_backends.wire import ClientChunk, ClientOutput
 
 
@@ -25,7 +27,8 @@ class PostprocessingModel:
     def initialize(self, args: dict[str, str]) -> None:
         margs = ModelArgs(args)
         set_up_process(margs.instance_name)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(margs.engine_dir()))
+        engine_dir = engine_path(margs.options(TokenizerOptions).engine_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(engine_dir))
         self.boards = BoardCache()
 
     def finalize(self) -> None:

@@ -24,12 +24,14 @@ from python_backends.serving.common import (
     FINAL,
     ModelArgs,
     engine_calls,
+    engine_path,
     error_response,
     kv_transports,
     response,
 )
-from python_backends.serving.engine_options import cpu_threads, prefix_caching
+from python_backends.serving.engine_options import prefix_caching
 from python_backends.serving.metrics import EngineMetrics, KVTransferMetrics
+from python_backends.serving.options import PrefillOptions
 from python_backends.serving.outbox import Outbox, caller_gone, caller_lane
 from python_backends.wire import PrefillAnswer
 
@@ -49,7 +51,8 @@ class PrefillModel:
     def initialize(self, args: dict[str, str]) -> None:
         margs = ModelArgs(args)
         set_up_process(margs.instance_name)
-        transports = kv_transports(margs, default="auto")
+        options = margs.options(PrefillOptions)
+        transports = kv_transports(margs, options.kv_transports)
         self._shared: SharedPool | None = None
 
         def pool(layout: KVLayout, device: torch.device) -> torch.Tensor:
@@ -60,9 +63,9 @@ class PrefillModel:
 
         engine = build_off_thread(partial(
             LLMEngine.from_engine_dir,
-            margs.engine_dir(), num_kv_blocks=margs.int_param("kv_cache_blocks", 512),
-            kv_pool=pool, placement=margs.placement, cpu_threads=cpu_threads(margs),
-            **prefix_caching(margs),
+            engine_path(options.engine_dir), num_kv_blocks=options.kv_cache_blocks,
+            kv_pool=pool, placement=margs.placement, cpu_threads=options.threads,
+            **prefix_caching(options),
         ))
         try:
             sources = make_sources(transports, engine.handoff.pool, margs.model_name,
@@ -75,7 +78,7 @@ class PrefillModel:
         self._boards = BoardCache()  # the fronts' cancel boards
         self.prefiller = Prefiller(
             engine, sources, owner=margs.instance_name,
-            lease_s=float(margs.param("kv_lease_seconds", "30")),
+            lease_s=options.kv_lease_seconds,
             on_reaped=self._on_reaped, on_step=self.metrics.publish_throttled,
         )
         self.metrics.publish(engine.stats())

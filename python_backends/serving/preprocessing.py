@@ -11,7 +11,14 @@ from transformers import AutoTokenizer
 from python_backends.config import FAULT_INJECTION_ENV, EngineConfig
 from python_backends.diagnostics import set_up_process
 from python_backends.front.validation import InvalidRequest, parse_request
-from python_backends.serving.common import ModelArgs, error_response, inputs_of, response
+from python_backends.serving.common import (
+    ModelArgs,
+    engine_path,
+    error_response,
+    inputs_of,
+    response,
+)
+from python_backends.serving.options import TokenizerOptions
 from python_backends.wire import TokenizedRequest
 
 
@@ -19,7 +26,7 @@ class PreprocessingModel:
     def initialize(self, args: dict[str, str]) -> None:
         margs = ModelArgs(args)
         set_up_process(margs.instance_name)
-        engine_dir = margs.engine_dir()
+        engine_dir = engine_path(margs.options(TokenizerOptions).engine_dir)
         self.config = EngineConfig.load(engine_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(str(engine_dir))
         self.faults_allowed = os.environ.get(FAULT_INJECTION_ENV) == "1"

@@ -121,7 +121,7 @@ def test_reload_keeps_http_streams_whole(server: Server) -> None:
                                max_tokens=n_tokens, end_id=-1, route="aggregated")
                    for i in range(6)]
         time.sleep(3.0)  # every stream is producing tokens
-        with repo.reloaded("decode", reload_probe="1"):
+        with repo.reloaded("decode", restart_revision="99"):
             pass  # loaded with the changed parameter, then with the original config again
         results = [f.result(timeout=120) for f in futures]  # a lost final event hangs
     for r in results:

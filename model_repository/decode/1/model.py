@@ -1,3 +1,3 @@
-from python_backends.serving.generator import GeneratorModel as TritonPythonModel
+from python_backends.serving.generator import DecodeModel as TritonPythonModel
 
 __all__ = ["TritonPythonModel"]
