@@ -1,12 +1,11 @@
 """Host memory on transparent huge pages, for the large tensors every step streams.
 
 On 4 KiB pages a pass over a large tensor takes a page-table walk every 4 KiB, and the
-hardware prefetchers stop at every page's end. On this project's 2-core Xeon one token through
-the default model's float32 projections took 43.6 ms from 4 KiB pages and 36.6 from 2 MiB ones
-(docs/engines.md); NIXL pulls ran 2-3x faster from and into huge-page KV pools
-(docs/disaggregation.md). Linux hands out transparent huge pages for a range advised
-MADV_HUGEPAGE when its THP mode is "always" or "madvise" (`/sys/kernel/mm/transparent_hugepage/
-enabled`); with "never" the memory is ordinary, and everything works as before.
+hardware prefetchers stop at every page's end: weight streaming and NIXL pulls are markedly
+faster on 2 MiB pages (docs/platform.md, "Figures behind the code"). Linux hands out
+transparent huge pages for a range advised MADV_HUGEPAGE when its THP mode is "always" or
+"madvise" (`/sys/kernel/mm/transparent_hugepage/enabled`); with "never" the memory is
+ordinary, and everything works as before.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ against `MODEL_INTERFACES`.
 
 The path of one request (docs/architecture.md draws it):
   ensemble inputs -> preprocessing -> TokenizedRequest -> front -> EngineRequest -> worker or
-  decode -> TokenStep -> front; or EngineRequest -> prefill -> PrefillAnswer -> front;
+  decode -> TokenStep -> front; or EngineRequest -> prefill -> PrefillReply -> front;
   front -> ClientChunk -> postprocessing -> ClientOutput (the ensemble's outputs).
 
 Free of torch and of Triton: the front's stub imports it.
@@ -353,7 +353,7 @@ class TokenStep(Message):
 
 
 @dataclass(frozen=True)
-class PrefillAnswer(Message):
+class PrefillReply(Message):
     """prefill -> front: the first token and, when the sequence goes on, the KV handle (JSON of
     kv_transfer.KVHandle; empty when the first token already ended it)."""
 
@@ -466,7 +466,7 @@ MODEL_INTERFACES: dict[str, tuple[list[TensorSpec], list[TensorSpec]]] = {
     "decode": (EngineRequest.specs(), TokenStep.specs()),
     "prefill": ([s for s in EngineRequest.specs()
                  if s.name not in ("KV_HANDLE", "FIRST_TOKEN", "FIRST_LOG_PROB", "RESUME_IDS")],
-                PrefillAnswer.specs()),
+                PrefillReply.specs()),
     "postprocessing": (ClientChunk.specs(), ClientOutput.specs()),
     "kv_store": (StoreQuery.specs(), StoreStatus.specs()),
 }

@@ -132,7 +132,7 @@ def bench_transports(repeats: int) -> list[dict[str, Any]]:
                     handle = KVHandle(sink.kind, "bench-owner", BENCH_LAYOUT, tuple(blocks),
                                       size * BENCH_LAYOUT.block_size, time.time() + 3600,
                                       board.name, ticket, locations[kind])
-                    sink.fetch(handle, blocks)
+                    sink.pull(handle, blocks)
                     if i == repeats:
                         sink.flush()  # releases go out batched (see kv_transfer.nixl)
 

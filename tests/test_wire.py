@@ -22,7 +22,7 @@ from python_backends.wire import (
     GenerationRequest,
     Kind,
     Message,
-    PrefillAnswer,
+    PrefillReply,
     TensorSpec,
     TokenizedRequest,
     TokenStep,
@@ -84,7 +84,7 @@ MESSAGES: list[Message] = [
     EngineRequest(REQUEST, "triton_llm_cancel_1_2", 9, b'{"x":1}', 42, -0.5),
     TokenStep([7], [-0.25], "", 3, 1),
     TokenStep([], [], "cancelled", 3, 0),
-    PrefillAnswer(11, -1.5, "", b"handle"),
+    PrefillReply(11, -1.5, "", b"handle"),
     ClientChunk("board", 3, [1, 2, 3], 1, [2, 3], "stop", 5, 2, -3.0, [], ""),
     ClientOutput("Paris. 中国", "length", 5, 2, -1.0, [-0.5, -0.5], [10, 11], ""),
 ]
@@ -102,7 +102,7 @@ def test_optional_fields_are_left_out_and_required_ones_named() -> None:
     arrays = EngineRequest(REQUEST).encode(batched=False)
     assert set(arrays) == {"REQUEST", "CANCEL_TICKET"}
     with pytest.raises(KeyError, match="OUTPUT_IDS"):
-        PrefillAnswer.decode({"FINISH_REASON": np.array([b""], dtype=np.object_)})
+        PrefillReply.decode({"FINISH_REASON": np.array([b""], dtype=np.object_)})
     with pytest.raises(KeyError, match="STEP"):
         TokenStep.decode({"OUTPUT_IDS": np.array([1], dtype=np.int32)})
 

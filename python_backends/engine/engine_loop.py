@@ -14,7 +14,7 @@ from typing import TypeVar
 
 import torch
 
-from python_backends.engine.kv_handoff import KVFetch
+from python_backends.engine.kv_handoff import KVPull
 from python_backends.engine.llm_engine import LLMEngine, TokenEvent
 from python_backends.engine.ranks import RankFailure
 from python_backends.engine.sequence import Sequence
@@ -30,9 +30,8 @@ def build_off_thread(make: Callable[[], T]) -> T:
     engine loop. libgomp (torch's OpenMP on Linux) gives every thread that runs a parallel
     region a team of worker threads of its own, and once it manages more threads than there are
     CPUs it stops spinning between regions and puts workers to sleep instead: every one of the
-    hundreds of regions in a step then pays a futex wake-up. Measured on 2 cores: a batch-1
-    decode step took 28 ms instead of 18 when the stub's main thread had loaded the model (one
-    team) and the loop thread stepped it (a second). A thread that exits gives its team back, so
+    hundreds of regions in a step then pays a futex wake-up (a decode step half as fast again:
+    docs/platform.md, "Figures behind the code"). A thread that exits gives its team back, so
     loading here leaves the loop thread the only team. Keep the main thread (Triton's `execute`)
     free of parallel torch ops for the same reason.
     """
@@ -80,10 +79,10 @@ class _Add:
 
 
 @dataclass(frozen=True)
-class _Import:
+class _Handoff:
     seq: Sequence
     num_kv_tokens: int
-    fetch: KVFetch
+    pull: KVPull
 
 
 @dataclass(frozen=True)
@@ -98,12 +97,12 @@ class _Abort:
 
 class EngineLoop:
     """Owns the engine after `start()`: every other thread talks to it through `submit`,
-    `submit_import`, `abort` and `call`, so the engine itself needs no locks."""
+    `submit_handoff`, `abort` and `call`, so the engine itself needs no locks."""
 
     def __init__(self, engine: LLMEngine, listener: EngineListener) -> None:
         self.engine = engine
         self._listener = listener
-        self._inbox: queue.Queue[_Add | _Import | _Abort | _RunOnLoop | None] = queue.Queue()
+        self._inbox: queue.Queue[_Add | _Handoff | _Abort | _RunOnLoop | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._stopping = False
 
@@ -120,10 +119,10 @@ class EngineLoop:
     def submit(self, seq: Sequence) -> None:
         self._inbox.put(_Add(seq))
 
-    def submit_import(self, seq: Sequence, num_kv_tokens: int, fetch: KVFetch) -> None:
-        """A sequence another instance prefilled (see KVHandoff.add); `fetch` runs on the loop
+    def submit_handoff(self, seq: Sequence, num_kv_tokens: int, pull: KVPull) -> None:
+        """A sequence another instance prefilled (see KVHandoff.add); `pull` runs on the loop
         thread."""
-        self._inbox.put(_Import(seq, num_kv_tokens, fetch))
+        self._inbox.put(_Handoff(seq, num_kv_tokens, pull))
 
     def call(self, fn: Callable[[LLMEngine], None]) -> None:
         """Run `fn(engine)` on the loop thread between steps (e.g. to free blocks)."""
@@ -144,7 +143,7 @@ class EngineLoop:
             except queue.Empty:
                 return
 
-    def _apply(self, msg: _Add | _Import | _Abort | _RunOnLoop) -> None:
+    def _apply(self, msg: _Add | _Handoff | _Abort | _RunOnLoop) -> None:
         if isinstance(msg, _RunOnLoop):
             try:
                 msg.fn(self.engine)
@@ -155,8 +154,8 @@ class EngineLoop:
                 self._listener.on_finished_early(msg.seq_id, None)
         else:
             try:
-                if isinstance(msg, _Import):
-                    self.engine.handoff.add(msg.seq, msg.num_kv_tokens, msg.fetch)
+                if isinstance(msg, _Handoff):
+                    self.engine.handoff.add(msg.seq, msg.num_kv_tokens, msg.pull)
                 else:
                     self.engine.add(msg.seq)
             except ValueError as e:

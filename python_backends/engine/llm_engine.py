@@ -183,11 +183,11 @@ class LLMEngine:
     def sequences(self) -> list[Sequence]:
         """Every unfinished sequence: running, waiting, or imported and not yet scheduled."""
         return [*self.scheduler.running, *self.scheduler.waiting,
-                *(i.seq for i in self.handoff.imports)]
+                *(i.seq for i in self.handoff.pending)]
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self.handoff.imports) or self.scheduler.has_unfinished
+        return bool(self.handoff.pending) or self.scheduler.has_unfinished
 
     def step(self) -> list[TokenEvent]:
         """schedule -> run -> sample -> update; returns one event per sampled sequence."""
@@ -205,12 +205,12 @@ class LLMEngine:
     def _run(self, out: SchedulerOutput) -> list[TokenEvent]:
         times, t0 = self.step_seconds, time.perf_counter()
         prepared = self.runner.prepare_seconds
-        logits, sampling = self.runner.run(out)
+        head, sampling = self.runner.run(out)
         t1 = time.perf_counter()
         prepare = self.runner.prepare_seconds - prepared
         times["prepare"] += prepare
         times["forward"] += t1 - t0 - prepare
-        result = sample(sampling, logits) if sampling else SampleResult([], None)
+        result = sample(sampling, head) if sampling else SampleResult([], None)
         t2 = time.perf_counter()
         times["sample"] += t2 - t1
         events = [self._event(s, s.num_output_tokens - drawn + k)
@@ -252,7 +252,7 @@ class LLMEngine:
             kv_blocks_used=self.blocks.num_used,
             kv_blocks_total=self.blocks.num_blocks,
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting) + len(self.handoff.imports),
+            num_waiting=len(self.scheduler.waiting) + len(self.handoff.pending),
             num_preemptions=self.scheduler.num_preemptions,
             num_prompt_tokens_computed=self.scheduler.num_prompt_tokens_computed,
             busy_seconds=self.busy_seconds,

@@ -1,4 +1,5 @@
-"""Sequences in, logits out: packs one step's tokens, owns the KV pool, runs the model."""
+"""Sequences in, the LM head's output out: packs one step's tokens, owns the KV pool, runs the
+model."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 
 from python_backends.config import EngineConfig
 from python_backends.engine.loader import kv_layout
-from python_backends.engine.sampler import argmax_only
+from python_backends.engine.sampler import HeadOutput, argmax_only
 from python_backends.engine.scheduler import ScheduledSequence, SchedulerOutput
 from python_backends.engine.sequence import Sequence
 from python_backends.kv_transfer.layout import allocate_pool
@@ -40,9 +41,9 @@ class RankGroup(Protocol):
         """One step: the micro-batches through every rank; the last stage's logits of each."""
         ...
 
-    def export_kv(self, pool: torch.Tensor, whole: torch.Tensor, blocks: list[int]) -> None: ...
+    def gather_kv(self, pool: torch.Tensor, whole: torch.Tensor, blocks: list[int]) -> None: ...
 
-    def import_kv(self, pool: torch.Tensor, whole: torch.Tensor, blocks: list[int]) -> None: ...
+    def scatter_kv(self, pool: torch.Tensor, whole: torch.Tensor, blocks: list[int]) -> None: ...
 
     def close(self, timeout_s: float = 10.0) -> None: ...
 
@@ -135,18 +136,18 @@ class ModelRunner:
         return torch.tensor(input_ids, dtype=torch.long), meta, sampling
 
     @torch.inference_mode()
-    def run(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[Sequence]]:
-        """Compute the step; returns logits [N, V] of the sampling sequences, in order."""
+    def run(self, out: SchedulerOutput) -> tuple[HeadOutput, list[Sequence]]:
+        """Compute the step; returns the head's output for the sampling sequences, in order."""
         if self.group is None:
             input_ids, meta, sampling = self.prepare(out.scheduled)
             device = self.model.ctx.device
-            return self.model(input_ids.to(device), meta.to(device)), sampling
+            return HeadOutput.of(self.model(input_ids.to(device), meta.to(device))), sampling
         batches, sampling = [], []
         for part in self._micro_batches(out.scheduled):
             input_ids, meta, seqs = self.prepare(part)
             batches.append((input_ids, meta))
             sampling.extend(seqs)
-        return torch.cat(self.group.run(self.model, batches)), sampling
+        return HeadOutput.of(torch.cat(self.group.run(self.model, batches))), sampling
 
     def _micro_batches(
         self, scheduled: tuple[ScheduledSequence, ...]

@@ -56,8 +56,7 @@ def threads_per_rank(world_size: int, cpu_threads: int = 0) -> int:
     one, which Triton, the other stubs and co-located clients need) split over its ranks, at
     least 1. Why not every core: an OpenMP team whose threads outnumber the cores left free
     waits at every parallel region for a thread the kernel descheduled, hundreds of times a
-    step; measured on 2 cores with a 2-thread engine, one busy core outside the engine took a
-    stream from 41 to 0.9 tokens/s (docs/engines.md, "CPU threads")."""
+    step, and a stream slows to a crawl (docs/engines.md, "CPU threads")."""
     total = cpu_threads or max(1, (os.cpu_count() or 1) - 1)
     return max(1, total // world_size)
 
@@ -191,17 +190,17 @@ class RankGroup:
             with timed("broadcast"):
                 dist.broadcast_object_list([("step", batches)], src=0)
             return run_stage(model, self.ctx, batches, self.dtype)
-        except RuntimeError as e:  # a collective failed: a peer died mid-step
+        except RuntimeError as e:  # a collective failed: another rank died mid-step
             self.check()
             raise RankFailure(f"engine rank group failed mid-step: {e}") from e
 
-    def export_kv(self, pool: torch.Tensor, whole: torch.Tensor, blocks: list[int]) -> None:
+    def gather_kv(self, pool: torch.Tensor, whole: torch.Tensor, blocks: list[int]) -> None:
         """Gather `blocks` from every rank's KV slice into `whole` (rank 0's whole-model pool)."""
-        self._collective("export_kv", blocks, pool, whole)
+        self._collective("gather_kv", blocks, pool, whole)
 
-    def import_kv(self, pool: torch.Tensor, whole: torch.Tensor, blocks: list[int]) -> None:
+    def scatter_kv(self, pool: torch.Tensor, whole: torch.Tensor, blocks: list[int]) -> None:
         """Scatter `blocks` of `whole` to every rank's KV slice."""
-        self._collective("import_kv", blocks, pool, whole)
+        self._collective("scatter_kv", blocks, pool, whole)
 
     def _collective(self, kind: str, blocks: list[int], pool: torch.Tensor,
                     whole: torch.Tensor) -> None:
@@ -245,15 +244,15 @@ def exchange_kv(ctx: ParallelContext, config: EngineConfig, pool: torch.Tensor,
                 blocks: list[int], kind: str, whole: torch.Tensor | None = None) -> None:
     """Move the KV of `blocks` between each rank's slice `pool` ([layers of its stage, 2, slots,
     its KV heads, D]) and rank 0's whole-model pool `whole` (every layer and head), point to
-    point. export_kv: from the ranks into `whole` (one holder per distinct slice: ranks that
-    replicate attention hold the same KV); import_kv: from `whole` to every rank."""
+    point. gather_kv: from the ranks into `whole` (one holder per distinct slice: ranks that
+    replicate attention hold the same KV); scatter_kv: from `whole` to every rank."""
     bs = config.limits.block_size
     slots = (torch.tensor(blocks).unsqueeze(1) * bs + torch.arange(bs)).reshape(-1)
     slots = slots.to(pool.device)
     layout = config.parallel
     heads = config.model.num_kv_heads // layout.tp
     if ctx.rank != 0:
-        if kind == "import_kv":
+        if kind == "scatter_kv":
             part = pool.new_empty(pool.shape[0], 2, len(slots), *pool.shape[3:])
             with timed("send_recv"):
                 dist.recv(part, src=0)
@@ -264,13 +263,13 @@ def exchange_kv(ctx: ParallelContext, config: EngineConfig, pool: torch.Tensor,
         return
     assert whole is not None
     for rank in range(layout.world_size):
-        peer = ParallelContext(layout, rank)
-        if kind == "export_kv" and peer.local_rank >= layout.tp:
+        other = ParallelContext(layout, rank)
+        if kind == "gather_kv" and other.local_rank >= layout.tp:
             continue
-        layers = layout.stage_layers(config.model.num_layers, peer.pp_rank)
-        h0 = peer.tp_rank * heads
+        layers = layout.stage_layers(config.model.num_layers, other.pp_rank)
+        h0 = other.tp_rank * heads
         region = whole[layers.start:layers.stop, :, :, h0:h0 + heads]  # a view into `whole`
-        if kind == "export_kv":
+        if kind == "gather_kv":
             if rank == 0:
                 part = pool.index_select(2, slots)
             else:

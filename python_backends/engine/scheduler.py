@@ -95,7 +95,7 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.check_fits(seq)
-        seq.arrival = next(self._arrivals)
+        seq.arrival_order = next(self._arrivals)
         self.waiting.push(seq)
 
     def abort(self, seq_id: str) -> Sequence | None:
@@ -280,7 +280,7 @@ class Scheduler:
 
 def importance(seq: Sequence) -> tuple[int, int]:
     """Orders sequences for preemption: higher priority, then started earlier, ranks higher."""
-    return seq.priority, -seq.arrival
+    return seq.priority, -seq.arrival_order
 
 
 def stop_reason(seq: Sequence, max_seq_len: int) -> FinishReason | None:

@@ -31,7 +31,7 @@ class Sequence:
     params: SamplingParams
     priority: int = 0  # higher is started first and preempted last
     tenant: str = "default"
-    arrival: int = 0  # arrival order at the scheduler, set by it
+    arrival_order: int = 0  # arrival order at the scheduler, set by it
     arrival_time: float = field(default_factory=time.monotonic)
     queue_time: float | None = None  # arrival to first scheduled step, set by the scheduler
     first_token_time: float | None = None  # first token drawn here (or handed-off arrival)

@@ -14,13 +14,14 @@ from typing import Protocol
 import numpy as np
 
 from python_backends.front.migration import Moved
-from python_backends.wire import EngineRequest, ErrorKind, Message, PrefillAnswer
+from python_backends.wire import EngineRequest, ErrorKind, Message, PrefillReply
 
 
 @dataclass(frozen=True)
 class Reply:
-    """One answer of an engine call, local or remote: its tensors, or an error. `unavailable`:
-    the engine's server or instance is gone, so the request may go on elsewhere."""
+    """One reply of an engine call, local or remote, not yet decoded: its tensors, or an
+    error. `unavailable`: the engine's server or instance is gone, so the request may go on
+    elsewhere."""
 
     outputs: dict[str, np.ndarray] | None = None
     error: str = ""
@@ -58,9 +59,9 @@ class Channel(Protocol):
     # out for a while; Triton may hand a local call to the same dead instance again.
     steers_away: bool
 
-    def answers(self, message: EngineRequest, answer: type[Message],
+    def replies(self, message: EngineRequest, reply_type: type[Message],
                 caller: Caller) -> Iterator[Reply]:
-        """The replies of one call of `message`, each decoding as `answer` or carrying an
+        """The replies of one call of `message`, each decoding as `reply_type` or carrying an
         error, until the call ends. Raises EngineLost when the engine holding the call is
         gone; a client that goes away ends the call on the engine too."""
         ...
@@ -70,7 +71,7 @@ class Channel(Protocol):
         ...
 
 
-def batched(answer: type[Message]) -> bool:
-    """Whether calls answered by `answer` carry a batch dimension: prefill takes dynamic
+def batched(reply_type: type[Message]) -> bool:
+    """Whether calls replied to with `reply_type` carry a batch dimension: prefill takes dynamic
     batches, engines that stream do not."""
-    return answer is PrefillAnswer
+    return reply_type is PrefillReply

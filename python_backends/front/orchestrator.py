@@ -29,7 +29,7 @@ from python_backends.wire import (
     EngineRequest,
     ErrorKind,
     GenerationRequest,
-    PrefillAnswer,
+    PrefillReply,
     TokenStep,
 )
 
@@ -159,8 +159,8 @@ class Orchestrator:
             self.metrics.finished(state)
         client.send(chunk, final=final)
 
-    def _prefill(self, message: EngineRequest, client: Client) -> PrefillAnswer | None:
-        """The prefill group's answer; None when it failed or died (logged: decode then
+    def _prefill(self, message: EngineRequest, client: Client) -> PrefillReply | None:
+        """The prefill group's reply; None when it failed or died (logged: decode then
         computes the prompt itself). A lost prefill is tried once more where the group steers
         away from what was lost (another server) and has something live."""
         group = self.groups.prefill
@@ -179,13 +179,13 @@ class Orchestrator:
 
     @staticmethod
     def _prefill_once(group: Channel, message: EngineRequest, client: Client
-                      ) -> PrefillAnswer | None:
+                      ) -> PrefillReply | None:
         result = None
-        for reply in group.answers(message, PrefillAnswer, client):
+        for reply in group.replies(message, PrefillReply, client):
             if reply.error:
                 log.warning("prefill failed, decode will recompute: %s", reply.error)
             elif reply.outputs:
-                result = PrefillAnswer.decode(reply.outputs)
+                result = PrefillReply.decode(reply.outputs)
         return result
 
     def _generate(self, group: Channel, message: EngineRequest, state: RequestStream,
@@ -223,7 +223,7 @@ class Orchestrator:
         must go on elsewhere."""
         moved = None
         try:
-            for reply in group.answers(message, TokenStep, client):
+            for reply in group.replies(message, TokenStep, client):
                 if not (reply.outputs or reply.error):
                     continue  # the engine's acceptance (serving.common.accepted)
                 client.first_response()  # a token or an error ends the wait

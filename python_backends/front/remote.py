@@ -2,7 +2,7 @@
 models that another server serves, over Triton's gRPC streaming endpoint.
 
 A call carries the same typed message a local BLS call does (wire.EngineRequest) and yields the
-same answers, so the front's routing, relaying and migration do not care where a group lives.
+same replies, so the front's routing, relaying and migration do not care where a group lives.
 What differs is what the wire cannot carry across machines:
 - cancellation: a remote engine cannot see the front's cancel board (shared memory of this
   node), so the call goes without one and the front cancels the gRPC stream instead, which
@@ -154,12 +154,12 @@ class RemoteGroup:
                                      f"({self.servers.spec})")
         return RemoteCall(self, address, inputs, outputs)
 
-    def answers(self, message: EngineRequest, answer: type[Message],
+    def replies(self, message: EngineRequest, reply_type: type[Message],
                 caller: Caller) -> Iterator[Reply]:
         """A call on another server. No cancel board crosses servers: when the client goes
         away the call's stream is cancelled, which the engine sees as a cancellation."""
         message = dataclasses.replace(message, cancel_board=None, cancel_ticket=0)
-        call = self.call(message.encode(batched(answer)), answer.names())
+        call = self.call(message.encode(batched(reply_type)), reply_type.names())
         while True:
             if caller.check_cancelled():
                 call.cancel()
@@ -201,7 +201,7 @@ def infer_request(model: str, inputs: dict[str, np.ndarray], outputs: list[str])
 
 
 class RemoteCall:
-    """One engine call on a remote server, read by a thread into a queue (as serving.bls.Answers
+    """One engine call on a remote server, read by a thread into a queue (as serving.bls.Responses
     reads a local one), so that its caller can wait with a timeout and cancel."""
 
     END = object()
@@ -218,7 +218,7 @@ class RemoteCall:
             assert inputs is not None and outputs is not None
             request = infer_request(group.model, inputs, outputs)
             threading.Thread(target=self._read, args=(group, request), daemon=True,
-                             name="remote-answers").start()
+                             name="remote-replies").start()
 
     @classmethod
     def failed(cls, message: str) -> RemoteCall:
@@ -229,7 +229,7 @@ class RemoteCall:
 
     def _requests(self, request: Any) -> Iterator[Any]:
         yield request
-        self._done.wait()  # keep our side of the stream open until the answers end
+        self._done.wait()  # keep our side of the stream open until the replies end
 
     def _read(self, group: RemoteGroup, request: Any) -> None:
         from tritonclient.grpc import InferResult
@@ -239,15 +239,16 @@ class RemoteCall:
                 self._requests(request), metadata=list(group.headers.items()) or None)
             if self._cancelled:
                 self._call.cancel()
-            for answer in self._call:
-                if answer.error_message:
-                    self._queue.put(Reply(error=answer.error_message, unavailable=any(
-                        m in answer.error_message for m in UNAVAILABLE_MARKERS)))
+            for response in self._call:
+                if response.error_message:
+                    self._queue.put(Reply(error=response.error_message, unavailable=any(
+                        m in response.error_message for m in UNAVAILABLE_MARKERS)))
                     continue
-                result = InferResult(answer.infer_response)
-                arrays = {o.name: result.as_numpy(o.name) for o in answer.infer_response.outputs}
+                result = InferResult(response.infer_response)
+                arrays = {o.name: result.as_numpy(o.name)
+                          for o in response.infer_response.outputs}
                 self._queue.put(Reply(outputs=arrays))
-                final = answer.infer_response.parameters.get("triton_final_response")
+                final = response.infer_response.parameters.get("triton_final_response")
                 if final is not None and final.bool_param:
                     break
         except grpc.RpcError as e:

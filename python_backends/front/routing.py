@@ -20,7 +20,10 @@ class Route(enum.Enum):
 
 
 @dataclass(frozen=True)
-class RoutingPolicy:
+class DisaggregationPolicy:
+    """The paths a front has and when it disaggregates (the gateway's RoutingPolicy chooses a
+    server; this chooses a path inside one)."""
+
     disaggregation: bool  # prefill and decode groups are configured
     aggregation: bool = True  # a worker group is configured
     min_prompt_tokens: int = 256  # auto: shorter prompts stay aggregated
@@ -34,7 +37,7 @@ class RoutingPolicy:
 class Router:
     """Applies the policy and counts the prefills in flight (thread-safe)."""
 
-    def __init__(self, policy: RoutingPolicy) -> None:
+    def __init__(self, policy: DisaggregationPolicy) -> None:
         self.policy = policy
         self._inflight = 0
         self._lock = threading.Lock()

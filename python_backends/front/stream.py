@@ -22,7 +22,7 @@ class RequestStream:
     return_log_probs: bool
     cancel_board: str = ""  # the front's board and this request's ticket on it
     cancel_ticket: int = 0
-    arrival: float = field(default_factory=time.monotonic)
+    arrival_time: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     first_token_time: float | None = None
@@ -86,7 +86,7 @@ class RequestStream:
 
     @property
     def ttft(self) -> float | None:
-        return None if self.first_token_time is None else self.first_token_time - self.arrival
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
 
     @property
     def tpot(self) -> float | None:

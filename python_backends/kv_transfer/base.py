@@ -4,9 +4,9 @@ Protocol, whatever the transport:
 1. The owner (a prefill instance) computes a prompt and keeps its blocks under a lease: a release
    ticket on the owner's release board (python_backends.flag_board) and a deadline.
 2. The handle (JSON, a few hundred bytes plus the transport's location) travels with the request.
-3. The puller (a decode instance) allocates blocks and `fetch`es the owner's blocks into them,
+3. The puller (a decode instance) allocates blocks and `pull`s the owner's blocks into them,
    then releases the lease (NIXL: a notification, batched until `flush`; same node: the flag
-   on the owner's release board). A fetch that fails, times out or finds the lease
+   on the owner's release board). A pull that fails, times out or finds the lease
    expired raises `TransferError`; the puller then `abandon`s the lease (its flag, where the
    board is on this node) and recomputes the prompt itself.
 4. The owner frees leased blocks on release, or when the deadline passes (the puller never came,
@@ -117,7 +117,7 @@ class KVSink(ABC):
         self.layout = layout
         self._boards = boards
 
-    def fetch(self, handle: KVHandle, dst_blocks: list[int]) -> int:
+    def pull(self, handle: KVHandle, dst_blocks: list[int]) -> int:
         """Copy the handle's blocks into `dst_blocks` of the local pool and release the lease
         (some transports only at the next `flush`); returns bytes moved."""
         problem = self.layout.incompatibility(handle.layout)
@@ -138,13 +138,13 @@ class KVSink(ABC):
             raise TransferError(Failure.UNREACHABLE, (
                 f"{self.kind} reaches the KV of this node only: the handle comes from node "
                 f"{node}, this is {node_id()} (use nixl between nodes)"))
-        self._pull(handle, dst_blocks)
+        self._copy(handle, dst_blocks)
         if handle.remaining() <= 0:  # the owner may have reused the blocks while we copied
             raise TransferError(Failure.EXPIRED, "lease expired during the copy")
         return handle.nbytes
 
     @abstractmethod
-    def _pull(self, handle: KVHandle, dst_blocks: list[int]) -> None:
+    def _copy(self, handle: KVHandle, dst_blocks: list[int]) -> None:
         """Copy the blocks, then release the lease or queue its release for `flush`."""
 
     def flush(self) -> None:

@@ -54,25 +54,25 @@ class CudaIpcSink(KVSink):
             raise ValueError("cuda_ipc needs the KV pool on a CUDA device")
         super().__init__(layout, boards)
         self.pool = pool
-        self._peers: dict[str, torch.Tensor] = {}
+        self._owner_pools: dict[str, torch.Tensor] = {}
         self._lock = threading.Lock()
 
-    def _peer(self, handle: KVHandle) -> torch.Tensor:
+    def _owner_pool(self, handle: KVHandle) -> torch.Tensor:
         key = handle.location["ipc"]
         with self._lock:
-            src = self._peers.get(key)
+            src = self._owner_pools.get(key)
             if src is None:
                 try:
                     src = rebuild_cuda_tensor(*pickle.loads(base64.b64decode(key)))
-                except Exception as e:  # a dead owner, another node, no peer access
+                except Exception as e:  # a dead owner, another node, no peer access (CUDA P2P)
                     raise TransferError(Failure.ERROR, f"cannot map the KV pool: {e}") from None
                 if tuple(src.shape) != handle.layout.shape:
                     raise TransferError(Failure.LAYOUT, "mapped pool does not match its layout")
-                self._peers[key] = src
+                self._owner_pools[key] = src
             return src
 
-    def _pull(self, handle: KVHandle, dst_blocks: list[int]) -> None:
-        src = self._peer(handle)
+    def _copy(self, handle: KVHandle, dst_blocks: list[int]) -> None:
+        src = self._owner_pool(handle)
         src_layout = handle.layout
         planes = 2 * src_layout.num_layers
         width = src_layout.num_kv_heads * src_layout.head_dim

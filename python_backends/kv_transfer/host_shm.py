@@ -95,22 +95,22 @@ class HostShmSink(KVSink):
     def __init__(self, layout: KVLayout, pool: torch.Tensor, boards: BoardCache) -> None:
         super().__init__(layout, boards)
         self._dst = pool.view(-1).view(torch.uint8)
-        self._peers: dict[str, SharedPool] = {}
+        self._owner_pools: dict[str, SharedPool] = {}
         self._lock = threading.Lock()
 
-    def _peer(self, handle: KVHandle) -> SharedPool:
+    def _owner_pool(self, handle: KVHandle) -> SharedPool:
         name = handle.location["shm"]
         with self._lock:
-            peer = self._peers.get(name)
-            if peer is None:
+            pool = self._owner_pools.get(name)
+            if pool is None:
                 try:
-                    peer = self._peers[name] = SharedPool.attach(name, handle.layout)
+                    pool = self._owner_pools[name] = SharedPool.attach(name, handle.layout)
                 except (OSError, ValueError) as e:
                     raise TransferError(Failure.ERROR, f"cannot map KV pool: {e}") from None
-            return peer
+            return pool
 
-    def _pull(self, handle: KVHandle, dst_blocks: list[int]) -> None:
-        src = self._peer(handle).tensor.data_ptr()
+    def _copy(self, handle: KVHandle, dst_blocks: list[int]) -> None:
+        src = self._owner_pool(handle).tensor.data_ptr()
         dst = self._dst.data_ptr()
         ranges = byte_ranges(handle.layout, self.layout, list(handle.block_ids), dst_blocks)
         # libc memmove on one thread: torch's parallel copy stalls at its thread barrier when a
@@ -121,6 +121,6 @@ class HostShmSink(KVSink):
 
     def close(self) -> None:
         with self._lock:
-            for peer in self._peers.values():
-                peer.close()
-            self._peers.clear()
+            for pool in self._owner_pools.values():
+                pool.close()
+            self._owner_pools.clear()

@@ -4,8 +4,7 @@ The owner registers its whole pool with its agent once at start-up and puts the 
 and the pool's base address in every handle; the puller, whose pool is registered with its own
 agent, READs the blocks' byte ranges (pull) and then notifies the owner, which frees them.
 Notifications are batched per owner and sent by `flush` (the decode engine calls it after a
-step's pulls): a transfer posted right behind a notification to the same peer waited ~0.75 ms
-for it here.
+step's pulls): a transfer posted right behind a notification to the same owner waits for it.
 
 Agents run without NIXL's progress thread (on a small CPU it spins a core and collapsed
 throughput; see docs/platform.md), so each side progresses its agent itself: the puller by polling
@@ -104,20 +103,20 @@ class NixlSink(KVSink):
         self.agent = Agent(name, pool)
         self.timeout_s = timeout_s
         self.cancel_grace_s = cancel_grace_s
-        self._peers: set[str] = set()
-        self._releases: dict[str, list[int]] = {}  # peer -> tickets pulled, not yet released
+        self._owners: set[str] = set()
+        self._releases: dict[str, list[int]] = {}  # owner -> tickets pulled, not yet released
 
-    def _peer(self, handle: KVHandle) -> str:
+    def _owner(self, handle: KVHandle) -> str:
         name = str(handle.location["agent"])
-        if name not in self._peers:
+        if name not in self._owners:
             metadata = base64.b64decode(handle.location["metadata"])
             with self.agent.lock:
                 self.agent.agent.add_remote_agent(metadata)
-            self._peers.add(name)
+            self._owners.add(name)
         return name
 
-    def _pull(self, handle: KVHandle, dst_blocks: list[int]) -> None:
-        peer = self._peer(handle)
+    def _copy(self, handle: KVHandle, dst_blocks: list[int]) -> None:
+        owner = self._owner(handle)
         loc = handle.location
         ranges = byte_ranges(handle.layout, self.layout, list(handle.block_ids), dst_blocks)
         remote = np.stack([ranges[:, 0] + int(loc["base"]), ranges[:, 2],
@@ -128,7 +127,7 @@ class NixlSink(KVSink):
         with self.agent.lock:
             xfer = a.initialize_xfer(
                 "READ", a.get_xfer_descs(local, self.agent.mem_type),
-                a.get_xfer_descs(remote, str(loc["mem_type"])), peer,
+                a.get_xfer_descs(remote, str(loc["mem_type"])), owner,
             )
             try:
                 state = self._wait(a, xfer, a.transfer(xfer), self.timeout_s)
@@ -138,16 +137,16 @@ class NixlSink(KVSink):
                     state = self._wait(a, xfer, state, self.cancel_grace_s)
                     if state == "PROC":
                         raise TransferError(Failure.IN_DOUBT, (
-                            f"NIXL READ from {peer} still running {self.timeout_s} + "
+                            f"NIXL READ from {owner} still running {self.timeout_s} + "
                             f"{self.cancel_grace_s} s after it started; cancelled, its blocks "
                             "are never reused"))
                     raise TransferError(Failure.TIMEOUT,
-                                        f"NIXL READ from {peer} took over {self.timeout_s} s")
+                                        f"NIXL READ from {owner} took over {self.timeout_s} s")
                 if state != "DONE":
-                    raise TransferError(Failure.ERROR, f"NIXL READ from {peer} failed: {state}")
+                    raise TransferError(Failure.ERROR, f"NIXL READ from {owner} failed: {state}")
             finally:
                 a.release_xfer_handle(xfer)  # cancels the READ if it still runs
-        self._releases.setdefault(peer, []).append(handle.release_ticket)
+        self._releases.setdefault(owner, []).append(handle.release_ticket)
 
     @staticmethod
     def _wait(agent: Any, xfer: Any, state: str, seconds: float) -> str:
@@ -165,9 +164,9 @@ class NixlSink(KVSink):
         if not self._releases:
             return
         with self.agent.lock:
-            for peer, tickets in self._releases.items():
+            for owner, tickets in self._releases.items():
                 msg = RELEASE_PREFIX + ",".join(map(str, tickets)).encode()
-                self.agent.agent.send_notif(peer, msg)
+                self.agent.agent.send_notif(owner, msg)
             self._releases.clear()
             self.agent.agent.get_new_notifs()  # progresses the agent: the messages go out now
 

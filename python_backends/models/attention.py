@@ -121,8 +121,8 @@ def paged_attention(
     out = torch.empty_like(q)
     for span in meta.prefills:
         n = span.end - span.start
-        # [1, H, n, D]: batched 4-D operands take torch's flash kernel on the CPU (2.4x faster
-        # than the math fallback 3-D operands get, measured on a 128-token prompt).
+        # [1, H, n, D]: batched 4-D operands take torch's flash kernel on the CPU, which is
+        # much faster than the math fallback that 3-D operands get.
         qs = q[span.start : span.end].transpose(0, 1).unsqueeze(0)
         if span.context_len == n:  # nothing cached before: use this step's K/V directly
             ks = k[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, K, n, D]
@@ -167,8 +167,8 @@ def gathered_decode_attention(q: torch.Tensor, cache: torch.Tensor, d: DecodeBat
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
           scale: float, causal: bool = False) -> torch.Tensor:
     """Scaled dot-product attention (grouped KV heads). 16-bit floats on the CPU are computed in
-    float32: torch's CPU kernel is several times slower in bfloat16 (a batch-8 decode step spent
-    812 us per layer in it against about 20 in float32), and the operands are small next to
+    float32: torch's CPU kernel is many times slower in bfloat16 (docs/platform.md), and the
+    operands are small next to
     the weights that 16-bit engines are for."""
     if q.dtype in (torch.bfloat16, torch.float16) and q.device.type == "cpu":
         o = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,

@@ -54,16 +54,14 @@ class Linear(nn.Linear):
     """nn.Linear that can pre-pack its weight for oneDNN on the CPU (`pack`), or keep it as int8
     for fbgemm (`quantize_int8`).
 
-    A batch-16 decode step streams every weight once; oneDNN's blocked layout halves the time of
-    those small-M GEMMs against the default sgemm path (measured here: 23 vs 50 ms for 424 MB of
-    cold weights; bfloat16 packed: 5.5 ms against 9.8 for float32 packed, batch 1). Packing
+    A batch-16 decode step streams every weight once; oneDNN's blocked layout about halves the
+    time of those small-M GEMMs against the default sgemm path (docs/platform.md). Packing
     happens once after loading; results differ from F.linear only in rounding (~1e-4 in
     float32), and float32 greedy output is checked against Hugging Face in the tests.
 
     A packed projection may also keep its plain weight (`plain`) for one-token calls: on some
-    CPUs MKL's matrix-vector product reads float32 weights faster than oneDNN's packed kernel
-    (Intel Xeon with AMX: 47.5 against 57.6 ms for the default model), on others slower (AMD
-    EPYC: about half as fast). `plain_reads_faster` measures which, once, at load.
+    CPUs MKL's matrix-vector product reads float32 weights faster than oneDNN's packed kernel, on
+    others slower (docs/platform.md). `plain_reads_faster` measures which, once, at load.
     """
 
     packed: torch.Tensor | None = None

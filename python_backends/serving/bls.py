@@ -5,7 +5,7 @@ it without the GIL and corrupt the stub's heap (docs/platform.md, "Python backen
 for `hold_s` seconds (the stub erases its own reference within milliseconds), so the last
 reference is dropped by a Python thread, under the GIL.
 
-`Answers` reads one call on a thread of its own, so its caller can wait with a timeout: Triton
+`Responses` reads one call on a thread of its own, so its caller can wait with a timeout: Triton
 2.51 never ends a call whose engine stub died, and a caller blocked in it could never move the
 request elsewhere (front.migration). Such a reader stays blocked until the server stops."""
 
@@ -62,7 +62,7 @@ class BLSStreams:
         held.clear()
 
 
-class Answers:
+class Responses:
     """The responses of one decoupled BLS call, read by a daemon thread into a queue."""
 
     END = object()  # `next` returns it after the final response
@@ -71,9 +71,9 @@ class Answers:
 
     def __init__(self, streams: BLSStreams, request: Any) -> None:
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        with Answers._count_lock:
-            Answers._reading += 1
-        threading.Thread(target=self._read, args=(streams, request), name="bls-answers",
+        with Responses._count_lock:
+            Responses._reading += 1
+        threading.Thread(target=self._read, args=(streams, request), name="bls-responses",
                          daemon=True).start()
 
     @classmethod
@@ -82,14 +82,14 @@ class Answers:
 
     def _read(self, streams: BLSStreams, request: Any) -> None:
         try:
-            for answer in streams.stream(request):
-                self._queue.put(answer)
+            for response in streams.stream(request):
+                self._queue.put(response)
         except Exception as e:  # the call itself failed: its caller sees the exception
             self._queue.put(e)
         finally:
             self._queue.put(self.END)
-            with Answers._count_lock:
-                Answers._reading -= 1
+            with Responses._count_lock:
+                Responses._reading -= 1
 
     def next(self, timeout: float) -> Any:
         """The next response, an exception the call raised, or END; raises queue.Empty after

@@ -101,10 +101,10 @@ def response(message: Message, batched: bool) -> Any:
     return pb_utils.InferenceResponse(tensors(message, batched))
 
 
-def bls_request(model: str, message: Message, batched: bool, answer: type[Message]) -> Any:
-    """A BLS request of `message` to `model`, asking for the tensors of `answer`."""
+def bls_request(model: str, message: Message, batched: bool, reply_type: type[Message]) -> Any:
+    """A BLS request of `message` to `model`, asking for the tensors of `reply_type`."""
     return pb_utils.InferenceRequest(model_name=model, inputs=tensors(message, batched),
-                                     requested_output_names=answer.names())
+                                     requested_output_names=reply_type.names())
 
 
 @dataclass(frozen=True)
@@ -153,12 +153,10 @@ def engine_calls(requests: list[Any], boards: BoardCache, outbox: Outbox, model:
 
 
 def accepted() -> Any:
-    """An engine's first answer to every call it takes: no tensors, not final. Triton 2.51's
-    Python backend serves a decoupled BLS call on a thread of the caller's instance pool
-    (`thread-pool-size`, per instance, in tritonserver) until the call's first response; an
-    engine that answered only with its first token kept one thread per queued request, and so
-    needed a pool as deep as the front's queue in every instance (also in each dead one that
-    Triton never frees). Callers skip it: it carries nothing."""
+    """An engine's first response to every call it takes: no tensors, not final. Triton 2.51's
+    Python backend holds a thread of the caller's instance pool per decoupled BLS call until
+    its first response, so answering at once keeps a queued request from holding one
+    (docs/platform.md). Callers skip it: it carries nothing."""
     return pb_utils.InferenceResponse(output_tensors=[])
 
 

@@ -44,12 +44,12 @@ from python_backends.front.liveness import HolderWatch, IdleProber
 from python_backends.front.migration import STUB_UNHEALTHY, MigrationReason, Moved
 from python_backends.front.orchestrator import EngineGroups, Orchestrator
 from python_backends.front.remote import RemoteGroup, ServerSet
-from python_backends.front.routing import Router, RoutingPolicy
+from python_backends.front.routing import DisaggregationPolicy, Router
 from python_backends.front.stream import RequestStream
 from python_backends.front.tenancy import CacheSharing
 from python_backends.kv_transfer.base import KVHandle, abandon
 from python_backends.procfs import live_stubs
-from python_backends.serving.bls import Answers, BLSStreams
+from python_backends.serving.bls import BLSStreams, Responses
 from python_backends.serving.common import (
     FINAL,
     ModelArgs,
@@ -189,14 +189,14 @@ class ClientLink:
         if self.board is not None:
             self._send(response(ClientChunk.probe(self.board.name, self.ticket), batched=True), 0)
 
-    def _send(self, answer: Any, flags: int) -> None:
+    def _send(self, triton_response: Any, flags: int) -> None:
         with self._lock:
             if self.closed:
                 return
-            if answer is None:
+            if triton_response is None:
                 self.sender.send(flags=flags)
             else:
-                self.sender.send(answer, flags=flags)
+                self.sender.send(triton_response, flags=flags)
             self._last_sent = self._clock()
             self.closed = flags == FINAL
 
@@ -209,27 +209,28 @@ class LocalGroup:
     def __init__(self, model: str, bls: BLSStreams, board: FlagBoard, check_every_s: float
                  ) -> None:
         """`check_every_s`: how long a call may be quiet before the engine holding it is
-        looked for (its death ends no BLS call: see serving.bls.Answers)."""
+        looked for (its death ends no BLS call: see serving.bls.Responses)."""
         self.model = model
         self._bls = bls
         self._board = board
         self.check_every_s = check_every_s
 
-    def answers(self, message: EngineRequest, answer: type[Message],
+    def replies(self, message: EngineRequest, reply_type: type[Message],
                 caller: Caller) -> Iterator[Reply]:
         watch = HolderWatch(self._board, caller.ticket)
         watch.clear()  # the engine that takes this call records itself
-        answers = Answers(self._bls, bls_request(self.model, message, batched(answer), answer))
+        responses = Responses(self._bls, bls_request(self.model, message, batched(reply_type),
+                                                     reply_type))
         while True:
             try:
-                item = answers.next(timeout=self.check_every_s)
+                item = responses.next(timeout=self.check_every_s)
             except queue.Empty:
                 if watch.engine_gone():
                     raise EngineLost(Moved(MigrationReason.ENGINE_DIED,
                                            f"{self.model} process {watch.holder()} died")
                                      ) from None
                 continue
-            if item is Answers.END:
+            if item is Responses.END:
                 return
             if isinstance(item, Exception):
                 raise item
@@ -275,7 +276,7 @@ class FrontModel:
         except ValueError as e:
             raise pb_utils.TritonModelException(
                 f"front: {e} (prefill_model and decode_model go together)") from None
-        router = Router(RoutingPolicy(
+        router = Router(DisaggregationPolicy(
             disaggregation=bool(prefill),
             aggregation=bool(worker),
             min_prompt_tokens=options.disaggregation_min_prompt_tokens,
@@ -367,9 +368,9 @@ class FrontModel:
             group.close()
         self.board.close()
         self._boards.close()
-        if Answers.reading():
-            # Calls to engines that died never end, and their readers kept this stub from
-            # exiting once finalized (an old front version then lingered after a reload).
+        if Responses.reading():
+            # Calls to engines that died never end, and their readers would keep this stub
+            # alive after a reload.
             log.warning("%d calls to dead engines still open; this stub exits in %.0f s",
-                        Answers.reading(), EXIT_GRACE_S)
+                        Responses.reading(), EXIT_GRACE_S)
             threading.Timer(EXIT_GRACE_S, os._exit, args=(0,)).start()

@@ -129,14 +129,14 @@ class GeneratorModel(EngineListener):
                            tenant=req.tenant, cache_salt=req.cache_salt)
             if handle is not None:
                 seq.continue_from([msg.first_token or 0], [msg.first_log_prob or 0.0])
-                self.loop.submit_import(seq, handle.num_tokens, partial(self._fetch, seq_id))
+                self.loop.submit_handoff(seq, handle.num_tokens, partial(self._pull, seq_id))
                 continue
             if msg.resume_ids:  # migrated: the log-probs were sent already, never again
                 seq.continue_from(msg.resume_ids, [0.0] * len(msg.resume_ids))
             self.loop.submit(seq)
         return None
 
-    def _fetch(self, seq_id: str, blocks: list[int]) -> bool:
+    def _pull(self, seq_id: str, blocks: list[int]) -> bool:
         """Pull a handed-off request's KV into `blocks` (engine-loop thread). False: recompute."""
         caller = self._callers[seq_id]
         handle, caller.handle = caller.handle, None
@@ -150,7 +150,7 @@ class GeneratorModel(EngineListener):
         else:
             start = time.perf_counter()
             try:
-                nbytes = sink.fetch(handle, blocks)
+                nbytes = sink.pull(handle, blocks)
                 self.kv_metrics.transferred(handle.transport, nbytes, time.perf_counter() - start)
                 return True
             except TransferError as e:

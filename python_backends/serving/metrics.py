@@ -320,7 +320,7 @@ class RequestMetrics:
         if state.tpot is not None:
             self.tpot.observe(state.tpot)
         if state.last_token_time is not None:
-            self.e2e.observe(state.last_token_time - state.arrival)
+            self.e2e.observe(state.last_token_time - state.arrival_time)
         self.prompt_tokens.increment(len(state.prompt_ids))
         self.generation_tokens.increment(len(state.output_ids))
         self._finished(state.finish_reason).increment(1)

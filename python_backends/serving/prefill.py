@@ -33,13 +33,13 @@ from python_backends.serving.engine_options import prefix_caching
 from python_backends.serving.metrics import EngineMetrics, KVTransferMetrics
 from python_backends.serving.options import PrefillOptions
 from python_backends.serving.outbox import Outbox, caller_gone, caller_lane
-from python_backends.wire import PrefillAnswer
+from python_backends.wire import PrefillReply
 
 log = logging.getLogger(__name__)
 
 
 def prefill_response(result: PrefillResult) -> Any:
-    return response(PrefillAnswer(
+    return response(PrefillReply(
         token_id=result.token_id,
         log_prob=result.logprob,
         finish_reason=result.finish_reason.value if result.finish_reason else "",

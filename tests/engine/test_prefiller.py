@@ -72,24 +72,24 @@ def _continue(
     outputs: dict[str, list[int]] = {}
     failures: list[str] = []
 
-    def fetcher(handle: KVHandle) -> Any:
-        def fetch(blocks: list[int]) -> bool:
+    def puller(handle: KVHandle) -> Any:
+        def pull(blocks: list[int]) -> bool:
             sink = sinks[handle.transport]
             try:
-                sink.fetch(handle, blocks)
+                sink.pull(handle, blocks)
                 return True
             except TransferError as e:
                 failures.append(e.kind.value)
                 sink.abandon(handle)
                 return False
-        return fetch
+        return pull
 
     for i, (res, prompt) in enumerate(zip(results, batch, strict=True)):
         assert res.handle is not None and res.finish_reason is None
         outputs[f"s{i}"] = [res.token_id]
         seq = Sequence(f"s{i}", prompt, _params(), cache_salt=salt)
         seq.continue_from([res.token_id], [res.logprob])
-        engine.handoff.add(seq, res.handle.num_tokens, fetcher(res.handle))
+        engine.handoff.add(seq, res.handle.num_tokens, puller(res.handle))
     while engine.has_unfinished:
         for ev in engine.step():
             outputs[ev.seq_id].append(ev.token_id)
@@ -205,7 +205,7 @@ def _wait_released_or_expire(prefiller: Prefiller) -> None:
 
 
 def test_blocks_a_stuck_copy_may_still_write_are_never_reused(tiny_llama: TinyModel) -> None:
-    """A fetch that raises BlocksInDoubt (a NIXL READ that outlived its cancellation): the
+    """A pull that raises BlocksInDoubt (a NIXL READ that outlived its cancellation): the
     sequence is recomputed in other blocks, and the doubtful ones stay allocated for good."""
     from python_backends.engine.kv_handoff import BlocksInDoubt
 

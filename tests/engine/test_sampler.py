@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from python_backends.engine.sampler import argmax_only, process_logits, sample
+from python_backends.engine.sampler import HeadOutput, argmax_only, process_logits, sample
 from python_backends.engine.sequence import Sequence
 from python_backends.params import SamplingParams
 
@@ -18,7 +18,7 @@ def seq(params: SamplingParams, prompt: list[int] | None = None,
 def test_greedy_batch_and_logprobs() -> None:
     logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 1.0]])
     seqs = [seq(SamplingParams(max_tokens=4, return_log_probs=True)) for _ in range(2)]
-    r = sample(seqs, logits)
+    r = sample(seqs, HeadOutput(logits=logits))
     assert r.token_ids == [1, 0]
     assert r.logprobs is not None
     assert math.isclose(r.logprobs[0], float(torch.log_softmax(logits[0], -1)[1]), rel_tol=1e-6)
@@ -31,12 +31,12 @@ def test_greedy_batch_picks_argmax_first_index_on_ties() -> None:
     logits[2, 10] = float("nan")
     logits[3, 5] = logits[3, 7] = float("inf")
     seqs = [seq(SamplingParams(max_tokens=4)) for _ in range(16)]
-    assert sample(seqs, logits).token_ids == logits.argmax(-1).tolist()
+    assert sample(seqs, HeadOutput(logits=logits)).token_ids == logits.argmax(-1).tolist()
 
 
 def test_tokens_the_model_chose_are_taken_as_they_are() -> None:
     seqs = [seq(SamplingParams(max_tokens=4)) for _ in range(3)]
-    r = sample(seqs, torch.tensor([7, 0, 49151]))
+    r = sample(seqs, HeadOutput(token_ids=torch.tensor([7, 0, 49151])))
     assert r.token_ids == [7, 0, 49151] and r.logprobs is None
 
 
@@ -49,27 +49,29 @@ def test_rows_that_need_logits_are_not_argmax_only(params: SamplingParams) -> No
     assert argmax_only(SamplingParams(max_tokens=4))
     assert not argmax_only(params)
     with pytest.raises(ValueError, match="need their logits"):
-        sample([seq(SamplingParams(max_tokens=4)), seq(params)], torch.tensor([1, 2]))
+        sample([seq(SamplingParams(max_tokens=4)), seq(params)],
+               HeadOutput(token_ids=torch.tensor([1, 2])))
 
 
 def test_top_k_one_is_greedy_even_with_temperature() -> None:
     logits = torch.randn(4, 50)
     seqs = [seq(SamplingParams(max_tokens=4, temperature=1.5, top_k=1)) for _ in range(4)]
-    assert sample(seqs, logits).token_ids == logits.argmax(-1).tolist()
+    assert sample(seqs, HeadOutput(logits=logits)).token_ids == logits.argmax(-1).tolist()
 
 
 def test_seeded_sampling_is_reproducible_and_top_p_restricts() -> None:
     logits = torch.randn(1, 100)
     p = SamplingParams(max_tokens=4, temperature=1.0, seed=123)
     s1, s2 = seq(p), seq(p)
-    draws1 = [sample([s1], logits).token_ids[0] for _ in range(20)]
-    draws2 = [sample([s2], logits).token_ids[0] for _ in range(20)]
+    draws1 = [sample([s1], HeadOutput(logits=logits)).token_ids[0] for _ in range(20)]
+    draws2 = [sample([s2], HeadOutput(logits=logits)).token_ids[0] for _ in range(20)]
     assert draws1 == draws2 and len(set(draws1)) > 1
     tiny_p = seq(SamplingParams(max_tokens=4, temperature=1.0, top_p=1e-6, seed=1))
-    assert {sample([tiny_p], logits).token_ids[0] for _ in range(10)} == {int(logits.argmax())}
+    draws = {sample([tiny_p], HeadOutput(logits=logits)).token_ids[0] for _ in range(10)}
+    assert draws == {int(logits.argmax())}
     top3 = set(torch.topk(logits[0], 3).indices.tolist())
     k3 = seq(SamplingParams(max_tokens=4, temperature=2.0, top_k=3, seed=2))
-    assert {sample([k3], logits).token_ids[0] for _ in range(30)} <= top3
+    assert {sample([k3], HeadOutput(logits=logits)).token_ids[0] for _ in range(30)} <= top3
 
 
 def test_penalties() -> None:
@@ -88,7 +90,7 @@ def test_bans_bad_words_and_end_id_before_min_tokens() -> None:
     s = seq(p, [7, 9])
     out = process_logits(s, logits.clone())
     assert out[0] == float("-inf") and out[1] == float("-inf") and out[2] == float("-inf")
-    assert sample([s], logits.unsqueeze(0)).token_ids == [3]
+    assert sample([s], HeadOutput(logits=logits.unsqueeze(0))).token_ids == [3]
     s.output_ids = [3, 3]
     out = process_logits(s, logits.clone())
     assert out[0] == 5.0  # min_tokens reached: the end id is allowed again

@@ -11,7 +11,7 @@ import pytest
 from python_backends.front.channel import Caller, EngineLost, Reply
 from python_backends.front.migration import MigrationReason, Moved
 from python_backends.front.orchestrator import EngineGroups, Orchestrator
-from python_backends.front.routing import Router, RoutingPolicy
+from python_backends.front.routing import DisaggregationPolicy, Router
 from python_backends.front.stream import RequestStream
 from python_backends.params import SamplingParams
 from python_backends.wire import (
@@ -20,7 +20,7 @@ from python_backends.wire import (
     ErrorKind,
     GenerationRequest,
     Message,
-    PrefillAnswer,
+    PrefillReply,
     TokenStep,
 )
 
@@ -36,7 +36,7 @@ def step(ids: list[int], finish: str = "", error: str = "",
 
 
 def prefilled(token: int, finish: str = "") -> Reply:
-    return Reply(outputs=PrefillAnswer(token, -0.25, finish, HANDLE).encode(True))
+    return Reply(outputs=PrefillReply(token, -0.25, finish, HANDLE).encode(True))
 
 
 ACCEPTED = Reply()  # an engine's acceptance: an empty response before the first step
@@ -57,7 +57,7 @@ class ScriptedGroup:
     calls: list[EngineRequest] = field(default_factory=list)
     on_answer: Callable[[], None] | None = None  # runs before each answer is handed out
 
-    def answers(self, message: EngineRequest, answer: type[Message],
+    def replies(self, message: EngineRequest, reply_type: type[Message],
                 caller: Caller) -> Iterator[Reply]:
         self.calls.append(message)
         assert self.script, f"{self.model} called more often than scripted"
@@ -137,7 +137,7 @@ class Front:
 
 def front(worker: ScriptedGroup | None = None, prefill: ScriptedGroup | None = None,
           decode: ScriptedGroup | None = None, migration_limit: int = 3) -> Front:
-    router = Router(RoutingPolicy(disaggregation=prefill is not None,
+    router = Router(DisaggregationPolicy(disaggregation=prefill is not None,
                                   aggregation=worker is not None, min_prompt_tokens=1))
     metrics, abandoned = CountingMetrics(), list[bytes]()
     orchestrator = Orchestrator(EngineGroups(worker, prefill, decode), router, "board",

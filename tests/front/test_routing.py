@@ -1,11 +1,11 @@
 import pytest
 
-from python_backends.front.routing import Route, Router, RoutingPolicy
+from python_backends.front.routing import DisaggregationPolicy, Route, Router
 from python_backends.front.validation import InvalidRequest
 
 
 def test_auto_disaggregates_long_prompts_while_prefill_has_room() -> None:
-    router = Router(RoutingPolicy(disaggregation=True, min_prompt_tokens=100,
+    router = Router(DisaggregationPolicy(disaggregation=True, min_prompt_tokens=100,
                                   max_inflight_prefills=2))
     assert router.choose("auto", 99) is Route.AGGREGATED
     assert router.choose("auto", 100) is Route.DISAGGREGATED
@@ -20,16 +20,16 @@ def test_auto_disaggregates_long_prompts_while_prefill_has_room() -> None:
 
 
 def test_forced_routes_and_missing_groups() -> None:
-    agg_only = Router(RoutingPolicy(disaggregation=False))
+    agg_only = Router(DisaggregationPolicy(disaggregation=False))
     assert agg_only.choose("auto", 10_000) is Route.AGGREGATED
     with pytest.raises(InvalidRequest) as e:
         agg_only.choose("disaggregated", 10)
     assert e.value.field == "route"
-    disagg_only = Router(RoutingPolicy(disaggregation=True, aggregation=False))
+    disagg_only = Router(DisaggregationPolicy(disaggregation=True, aggregation=False))
     assert disagg_only.choose("auto", 1) is Route.DISAGGREGATED
     with pytest.raises(InvalidRequest):
         disagg_only.choose("aggregated", 10)
-    assert Router(RoutingPolicy(disaggregation=True)).choose("aggregated", 10_000) is (
+    assert Router(DisaggregationPolicy(disaggregation=True)).choose("aggregated", 10_000) is (
         Route.AGGREGATED)
     with pytest.raises(ValueError):
-        RoutingPolicy(disaggregation=False, aggregation=False)
+        DisaggregationPolicy(disaggregation=False, aggregation=False)

@@ -55,7 +55,7 @@ def test_pull_device_to_device_across_processes() -> None:
     boards = BoardCache()
     sink = CudaIpcSink(dst_layout, dst, boards)
     dst_blocks = [7, 0, 1]
-    assert sink.fetch(handle, dst_blocks) == handle.nbytes
+    assert sink.pull(handle, dst_blocks) == handle.nbytes
     bs = LAYOUT.block_size
     out = dst.cpu()
     for sb, db in zip(handle.block_ids, dst_blocks, strict=True):

@@ -101,7 +101,7 @@ def pull_and_check(sink: KVSink, owned: tuple[KVHandle, torch.Tensor, Any],
     and the owner sees its lease released (not expired)."""
     handle, src, conn = owned
     dst_blocks = [9, 10, 0, 1]
-    assert sink.fetch(handle, dst_blocks) == handle.nbytes == LAYOUT.bytes_for(4)
+    assert sink.pull(handle, dst_blocks) == handle.nbytes == LAYOUT.bytes_for(4)
     out, bs = dst.cpu(), LAYOUT.block_size
     for sb, db in zip(handle.block_ids, dst_blocks, strict=True):
         assert torch.equal(out[:, :, db * bs : (db + 1) * bs], src[:, :, sb * bs : (sb + 1) * bs])
@@ -136,7 +136,7 @@ def test_refusals_name_the_reason(kind: str, owner: Any) -> None:
             **handle.location, "node": "elsewhere/0"}}), Failure.UNREACHABLE))
     for bad, failure in cases:
         with pytest.raises(TransferError) as info:
-            sink.fetch(bad, [0, 1, 2, 3])
+            sink.pull(bad, [0, 1, 2, 3])
         assert info.value.kind is failure
     assert not dst.any()
     sink.abandon(handle)
@@ -187,7 +187,7 @@ def test_a_timed_out_nixl_read_is_waited_for_before_its_blocks_are_given_up(
     slow = SlowAgent(sink.agent.agent, seconds)
     sink.agent.agent = slow  # type: ignore[assignment]
     with pytest.raises(TransferError) as info:
-        sink.fetch(handle, [0, 1, 2, 3])
+        sink.pull(handle, [0, 1, 2, 3])
     assert info.value.kind is failure and slow.released == 1
     sink.abandon(handle)
     assert conn.poll(10) and conn.recv() is False  # the lease is given back at once

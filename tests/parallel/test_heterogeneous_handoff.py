@@ -38,7 +38,7 @@ def hand_over(prefill: LLMEngine, decode: LLMEngine, batch: list[list[int]]) -> 
         ev = firsts[f"s{i}"]
         assert ev.kv_blocks
 
-        def fetch(blocks: list[int], src: tuple[int, ...] = ev.kv_blocks) -> bool:
+        def pull(blocks: list[int], src: tuple[int, ...] = ev.kv_blocks) -> bool:
             src_kv = prefill.handoff.pool.index_select(2, slots(src, bs).to(prefill.device))
             decode.handoff.pool.index_copy_(2, slots(blocks, bs).to(decode.device),
                                             src_kv.to(decode.device))
@@ -46,7 +46,7 @@ def hand_over(prefill: LLMEngine, decode: LLMEngine, batch: list[list[int]]) -> 
 
         seq = Sequence(f"s{i}", p, SamplingParams(max_tokens=N))
         seq.continue_from([ev.token_id], [0.0])
-        decode.handoff.add(seq, ev.kv_tokens, fetch)
+        decode.handoff.add(seq, ev.kv_tokens, pull)
         outputs[f"s{i}"] = [ev.token_id]
     computed = decode.stats().num_prompt_tokens_computed
     while decode.has_unfinished:

@@ -69,8 +69,9 @@ def test_step_creates_tensors_only_on_the_model_device(tiny_llama: TinyModel) ->
             seq = item.seq
             kinds.add("decode" if item.num_new_tokens == 1 else
                       "chunk" if seq.num_computed_tokens else "prefill")
-        logits, sampling = engine.runner.run(out)
-        assert logits.device == META
+        head, sampling = engine.runner.run(out)
+        logits = head.logits
+        assert logits is not None and logits.device == META
         assert tuple(logits.shape) == (len(sampling), config.model.vocab_size)
         engine.scheduler.update(out, SampleResult([7] * len(sampling), None))
     assert kinds == {"prefill", "chunk", "decode"}

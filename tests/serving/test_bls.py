@@ -106,14 +106,14 @@ def test_answers_come_through_a_queue_and_a_quiet_call_times_out() -> None:
 
     import pytest
 
-    from python_backends.serving.bls import Answers
+    from python_backends.serving.bls import Responses
 
     streams = BLSStreams(hold_s=0.0)
-    answers = Answers(streams, FakeRequest(["a", "b"]))
+    answers = Responses(streams, FakeRequest(["a", "b"]))
     assert [answers.next(5), answers.next(5)] == ["a", "b"]
-    assert answers.next(5) is Answers.END
+    assert answers.next(5) is Responses.END
     blocked = BlockedRequest()
-    quiet = Answers(streams, blocked)
+    quiet = Responses(streams, blocked)
     with pytest.raises(queue.Empty):
         quiet.next(0.05)  # the caller can walk away from it
     blocked.release.set()

@@ -2,7 +2,7 @@
 // from Sapphire Rapids on).
 //
 // AMX multiplies bfloat16 (8 significant bits) into float32 sums at several times the float32
-// FMA rate of AVX-512 (3.2 TFLOP/s a core here against ~150 GFLOP/s). A float32 value splits
+// FMA rate of AVX-512 (docs/platform.md has the figures). A float32 value splits
 // into three bfloat16 pieces, a = a0 + a1 + a2 (each the top 8 significant bits of what the ones
 // before left: 24 bits, all of a float32's), so
 //   a * b = a0 b0 + (a0 b1 + a1 b0) + (a0 b2 + a1 b1 + a2 b0) + [a1 b2 + a2 b1 + a2 b2]
@@ -16,13 +16,10 @@
 // The weights stay float32 (linear.cpp's panels). A thread splits the panel after the one it
 // computes between that one's tile products (the vector units split while the tiles multiply),
 // into an L2 scratch every row tile passes over; the rows come in blocks whose pieces stay in L2
-// (linear.cpp). Every projection of the default model on one core, the first version of this
-// kernel -> now, measured in one sitting: 128 tokens 128 -> 119 ms, 512 451 -> 390, 2048 2558 ->
-// 1645 (the first streamed the pieces of all rows from L3 for every panel). What mattered:
-// operand tiles 64-byte aligned and contiguous (a tile whose rows straddle cache lines loads at
-// half speed), each operand's next load placed after the last product that reads it, the split
-// overlapped, and row blocks. The products run at 55-65% of the tiles' peak (3.2 TFLOP/s a core
-// here; a loop of 2 x 2 tiles with every operand in L1 reached ~70%).
+// (linear.cpp). What makes it fast: operand tiles 64-byte aligned and contiguous (a tile whose
+// rows straddle cache lines loads at half speed), each operand's next load placed after the last
+// product that reads it, the split overlapped, and row blocks that keep the pieces in L2
+// (docs/benchmarks.md has the kernel's history and its share of the tiles' peak).
 #pragma once
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
