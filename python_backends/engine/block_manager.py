@@ -11,25 +11,12 @@ prefix hit takes a cached block out of the middle of the free order.
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-import numpy as np
+from python_backends.prefix_hash import BlockHash
 
-# A block's chained hash: of its parent's hash, its token ids and (in the first block) the
-# cache salt. blake2b, not hash(): equal across processes and restarts.
-BlockHash = int
 Evict = Callable[[BlockHash, tuple[int, ...], int], None]  # hash, token ids, block id
-
-
-def block_hash(parent: BlockHash | None, tokens: Sequence[int], salt: str = "") -> BlockHash:
-    """The hash of a full block of `tokens` after the block hashed `parent` (None: the first
-    block, whose hash also covers `salt`, so differently salted prefixes never match)."""
-    h = hashlib.blake2b(digest_size=8)
-    h.update(b"root:" + salt.encode() if parent is None else parent.to_bytes(8, "little"))
-    h.update(np.asarray(tokens, dtype=np.int64).tobytes())
-    return int.from_bytes(h.digest(), "little")
 
 
 class OutOfBlocks(RuntimeError):

@@ -61,6 +61,7 @@ class TokenEvent:
 class EngineStats:
     kv_blocks_used: int
     kv_blocks_total: int
+    kv_block_size: int  # tokens per block: what a prefix hash covers (prefix_hash)
     num_running: int
     num_waiting: int
     num_preemptions: int  # since start
@@ -251,6 +252,7 @@ class LLMEngine:
         return EngineStats(
             kv_blocks_used=self.blocks.num_used,
             kv_blocks_total=self.blocks.num_blocks,
+            kv_block_size=self.blocks.block_size,
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting) + len(self.handoff.pending),
             num_preemptions=self.scheduler.num_preemptions,

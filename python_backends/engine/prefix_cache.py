@@ -1,6 +1,6 @@
 """Prefix caching: a sequence starts from the KV of its longest cached prefix of full blocks.
 
-Blocks are matched by chained hash (block_manager.block_hash, salted per tenant or request) and
+Blocks are matched by chained hash (prefix_hash.block_hash, salted per tenant or request) and
 confirmed by their token ids; they are cached only once their KV exists (`cache_computed`),
 never while a step may still write them. The last token of a sequence is always computed, so
 its logits exist: a fully cached prompt recomputes its last block.
@@ -14,8 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from python_backends.engine.block_manager import BlockHash, BlockManager
+from python_backends.engine.block_manager import BlockManager
 from python_backends.engine.sequence import Sequence
+from python_backends.prefix_hash import BlockHash
 
 
 class KVTier(Protocol):

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from python_backends.engine.block_manager import BlockHash, block_hash
 from python_backends.engine.speculative import NgramIndex
 from python_backends.params import FinishReason, SamplingParams
+from python_backends.prefix_hash import BlockHash, block_hash
 
 
 class SequenceStatus(enum.Enum):

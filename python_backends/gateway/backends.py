@@ -16,6 +16,7 @@ from typing import Any
 import aiohttp
 
 from python_backends.config import GRPC_API_KEY_HEADER
+from python_backends.front.tenancy import CacheSharing
 from python_backends.gateway.config import BackendConfig, GatewayConfig
 from python_backends.gateway.routing import ServerView
 from python_backends.gateway.triton import Breaker, TritonClient
@@ -25,11 +26,13 @@ from python_backends.wire import FRONT_START_METRIC
 log = logging.getLogger(__name__)
 TTFT_WINDOW_S = 60.0  # latency-aware routing reads each server's TTFT p95 over this window
 TTFT_METRIC = "llm_time_to_first_token_seconds"
+BLOCK_SIZE_METRIC = "llm_kv_block_size_tokens"
+SHARING_PARAMETER = "prefix_cache_shared_tenants"  # of the front model's config
 # The families the gateway reads of a server's scrape. The scrape is parsed on the event loop
 # that relays every token, and Triton's own families are most of it.
 READ_METRICS = ("llm_engine_healthy", "llm_kv_cache_usage_ratio", "llm_num_requests_waiting",
                 "llm_num_requests_running", "llm_kv_cache_blocks_used", TTFT_METRIC,
-                FRONT_START_METRIC)
+                FRONT_START_METRIC, BLOCK_SIZE_METRIC)
 
 
 class Backend:
@@ -44,6 +47,8 @@ class Backend:
         self.in_flight = 0
         self.breaker = Breaker()  # its open streams, ended when it loses them
         self.front_started: float | None = None  # its front's start (FRONT_START_METRIC)
+        # its front's prefix-cache sharing; None until read (again after a front restart)
+        self.cache_sharing: CacheSharing | None = None
         self._history: deque[tuple[float, Metrics]] = deque()  # scrapes of the TTFT window
         self.metrics = {}
 
@@ -64,7 +69,9 @@ class Backend:
             running=metric_sum(m, "llm_num_requests_running"),
             kv_usage=max(m.get("llm_kv_cache_usage_ratio", {}).values(), default=0.0),
             kv_blocks_used=metric_sum(m, "llm_kv_cache_blocks_used"),
-            ttft_p95_s=self.ttft_p95(), canary=self.config.canary)
+            ttft_p95_s=self.ttft_p95(), canary=self.config.canary,
+            block_size=int(max(m.get(BLOCK_SIZE_METRIC, {}).values(), default=0)),
+            cache_sharing=self.cache_sharing or CacheSharing())
 
     def ttft_p95(self) -> float | None:
         """TTFT p95 of the requests that finished in the last TTFT_WINDOW_S (about)."""
@@ -114,14 +121,29 @@ class Backend:
         # keep one scrape at or before the window's start, as the baseline of the deltas
         while len(self._history) > 2 and self._history[1][0] <= now - TTFT_WINDOW_S:
             self._history.popleft()
+        self._watch_front(metrics)
+        if self.cache_sharing is None and self.ready:
+            await self._read_cache_sharing(timeout_s)
         self.metrics = metrics
-        self._watch_front()
 
-    def _watch_front(self) -> None:
-        started = max(self.metrics.get(FRONT_START_METRIC, {}).values(), default=None)
+    async def _read_cache_sharing(self, timeout_s: float) -> None:
+        """The front's prefix_cache_shared_tenants: the salt rules its engines key cached KV
+        by, which prefix-aware routing hashes prompts with. Unread (the front not loaded, an
+        older server): each tenant its own cache, the front's default."""
+        try:
+            params = await self.client.model_parameters("front", self.headers, timeout_s)
+        except Exception as e:
+            log.warning("backend %s: front config unread (%s); prefix routing assumes each "
+                        "tenant its own cache", self.name, e)
+            return
+        self.cache_sharing = CacheSharing.parse(params.get(SHARING_PARAMETER, ""))
+
+    def _watch_front(self, metrics: Metrics) -> None:
+        started = max(metrics.get(FRONT_START_METRIC, {}).values(), default=None)
         if started is None:
             return
         if self.front_started is not None and started > self.front_started:
+            self.cache_sharing = None  # a reload may have changed its config
             n = self.breaker.break_all("its front restarted", opened_before=started,
                                        server_ok=True)
             log.warning("backend %s: its front restarted; %d stream(s) it held moved away",

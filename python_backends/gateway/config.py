@@ -52,7 +52,9 @@ class RoutingConfig:
     """How servers are chosen (gateway.routing; docs/gateway.md, "Choosing a server")."""
 
     policy: str = "least_loaded"  # or "prefix_aware"
-    prefix_block_tokens: int = 16  # the prefix index's block (the engines' KV block size)
+    # prefix_aware hashes prompts with each server's published KV block size; this one only
+    # for a server that publishes none (a front-only server, its engines on others)
+    prefix_block_tokens: int = 16
     overlap_weight: float = DEFAULT_OVERLAP_WEIGHT  # prefix_aware: a block to compute / one held
     latency_bound_s: float | None = None  # prefer the client's region while TTFT p95 <= this
     canary_fraction: float = 0.0  # users sent to the canary servers first

@@ -14,14 +14,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from python_backends.front.tenancy import CacheSharing
+from python_backends.prefix_hash import BlockHash, prefix_hashes
+
 # A KV cache this full makes a server a poor choice even with an empty queue: it is about to
 # preempt. Load counts sequences; KV usage counts as this many sequences at 100%.
 KV_USAGE_WEIGHT = 8.0
 # prefix_aware: a prompt block a server would have to compute weighs as this many KV blocks its
 # engines hold. At 1 (Dynamo's default) a conversation's next turn follows the load, not its
-# cached history: measured on multi-turn chat over 3 servers, 4 kept 95% of the reusable prompt
-# tokens cached against 33-56% for least-loaded, with requests still spread evenly
-# (scripts/bench_routing.py, docs/benchmarks.md "Routing").
+# cached history; 4 keeps it with its history and still spreads requests evenly
+# (scripts/bench_routing.py, docs/benchmarks.md "Routing across servers").
 DEFAULT_OVERLAP_WEIGHT = 4.0
 
 
@@ -38,6 +40,10 @@ class ServerView:
     ttft_p95_s: float | None = None  # over the last minute; None: no request finished
     canary: bool = False
     in_flight: int = 0  # requests the gateway has open on it now
+    # How its engines key cached KV (prefix_hash): tokens per block (llm_kv_block_size_tokens;
+    # 0 when it publishes none) and its front's prefix_cache_shared_tenants.
+    block_size: int = 0
+    cache_sharing: CacheSharing = field(default_factory=CacheSharing)
 
     @property
     def load(self) -> float:
@@ -53,7 +59,19 @@ class RouteRequest:
     tenant: str
     user: str = ""  # canary stickiness (the tenant when empty)
     region: str = ""  # the client's region (header x-region); "" unknown
-    prefix: tuple[int, ...] = ()  # chained hashes of the prompt's blocks (prefix_hashes)
+    token_ids: tuple[int, ...] = ()  # the prompt's, when a policy reads them
+    cache_salt: str = ""  # the request's own cache_salt, if it sent one
+    _prefixes: dict[tuple[int, str], tuple[BlockHash, ...]] = field(
+        default_factory=dict, compare=False, repr=False)
+
+    def prefix(self, block_size: int, sharing: CacheSharing) -> tuple[BlockHash, ...]:
+        """The prompt's block hashes as engines with this block size behind a front with this
+        cache sharing key them (computed once per kind of server)."""
+        salt = sharing.salt(self.tenant, self.cache_salt)
+        key = (block_size, salt)
+        if key not in self._prefixes:
+            self._prefixes[key] = prefix_hashes(self.token_ids, block_size, salt)
+        return self._prefixes[key]
 
 
 class RoutingPolicy(Protocol):
@@ -80,14 +98,23 @@ class LeastLoaded:
 class PrefixAware:
     """Dynamo's trade-off: a server's cost is `overlap_weight` x the prompt blocks it would
     have to compute (those past the longest prefix it was recently sent) plus the KV blocks
-    its engines hold now (its decode load), per unit of weight. The index is approximate: the
-    prefixes the gateway sent each server, the newest `max_blocks` per server."""
+    its engines hold now (its decode load), per unit of weight. Prompts are hashed as each
+    server's engines hash them (prefix_hash, with the server's block size and salt rules), so a
+    prefix counts only where an engine could find it. The index is approximate: the prefixes
+    the gateway sent each server, the newest `max_blocks` per server.
+    `default_block_size`: for a server that publishes no block size (a front-only server)."""
 
     def __init__(self, overlap_weight: float = DEFAULT_OVERLAP_WEIGHT,
-                 max_blocks: int = 100_000) -> None:
+                 max_blocks: int = 100_000, default_block_size: int = 16) -> None:
         self.overlap_weight = overlap_weight
         self.max_blocks = max_blocks
+        self.default_block_size = default_block_size
         self._index: dict[str, OrderedDict[int, None]] = {}
+        self._keys: dict[str, tuple[int, CacheSharing]] = {}  # each server's, as last seen
+
+    def prefix(self, s: ServerView, req: RouteRequest) -> tuple[BlockHash, ...]:
+        key = self._keys[s.name] = (s.block_size or self.default_block_size, s.cache_sharing)
+        return req.prefix(*key)
 
     def overlap(self, server: str, prefix: tuple[int, ...]) -> int:
         seen = self._index.get(server, OrderedDict())
@@ -99,7 +126,8 @@ class PrefixAware:
         return n
 
     def cost(self, s: ServerView, req: RouteRequest) -> float:
-        to_compute = len(req.prefix) - self.overlap(s.name, req.prefix)
+        prefix = self.prefix(s, req)
+        to_compute = len(prefix) - self.overlap(s.name, prefix)
         return (self.overlap_weight * to_compute + s.kv_blocks_used) / s.weight
 
     def rank(self, servers: Sequence[ServerView], req: RouteRequest) -> list[ServerView]:
@@ -107,8 +135,9 @@ class PrefixAware:
                       key=lambda s: (self.cost(s, req), s.load, s.name))
 
     def record(self, server: str, req: RouteRequest) -> None:
+        key = self._keys.get(server, (self.default_block_size, CacheSharing()))
         seen = self._index.setdefault(server, OrderedDict())
-        for h in req.prefix:
+        for h in req.prefix(*key):
             seen[h] = None
             seen.move_to_end(h)
         while len(seen) > self.max_blocks:
@@ -175,14 +204,3 @@ class Residency:
 
     def record(self, server: str, req: RouteRequest) -> None:
         self.inner.record(server, req)
-
-
-def prefix_hashes(token_ids: Sequence[int], block_tokens: int, salt: str) -> tuple[int, ...]:
-    """Chained hashes of the prompt's full blocks of `block_tokens` tokens, salted as the
-    servers' prefix caches are (a tenant's prompts never match another's)."""
-    h = int.from_bytes(hashlib.blake2b(salt.encode(), digest_size=8).digest(), "big")
-    out = []
-    for start in range(0, len(token_ids) - block_tokens + 1, block_tokens):
-        h = hash((h, tuple(token_ids[start:start + block_tokens])))
-        out.append(h)
-    return tuple(out)

@@ -26,7 +26,6 @@ from python_backends.gateway.routing import (
     Residency,
     RouteRequest,
     RoutingPolicy,
-    prefix_hashes,
 )
 from python_backends.gateway.triton import Piece, stream
 from python_backends.wire import DEFAULT_TENANT
@@ -138,12 +137,11 @@ class Gateway:
 
     def route_request(self, tenant: str, user: str | None, region: str, token_ids: list[int],
                       cache_salt: str | None) -> RouteRequest:
-        """What routing needs of a request; the prefix only when a policy reads it."""
-        routing = self.config.routing
-        prefix = prefix_hashes(token_ids, routing.prefix_block_tokens,
-                               cache_salt or f"tenant:{tenant}") if (
-            routing.policy == "prefix_aware") else ()
-        return RouteRequest(tenant=tenant, user=user or "", region=region, prefix=prefix)
+        """What routing needs of a request; the prompt only when a policy reads it."""
+        prefix_aware = self.config.routing.policy == "prefix_aware"
+        return RouteRequest(tenant=tenant, user=user or "", region=region,
+                            token_ids=tuple(token_ids) if prefix_aware else (),
+                            cache_salt=cache_salt or "")
 
     def chat_prompt(self, messages: list[dict[str, str]]) -> str:
         try:
@@ -217,7 +215,9 @@ def build_policy(config: GatewayConfig) -> RoutingPolicy:
     """The configured chain: residency filters, the canary splits, latency prefers the
     client's region, and least-loaded or prefix-aware orders (docs/gateway.md)."""
     r = config.routing
-    policy: RoutingPolicy = (PrefixAware(r.overlap_weight) if r.policy == "prefix_aware"
+    policy: RoutingPolicy = (PrefixAware(r.overlap_weight,
+                                         default_block_size=r.prefix_block_tokens)
+                             if r.policy == "prefix_aware"
                              else LeastLoaded())
     if r.latency_bound_s is not None:
         policy = LatencyAware(policy, r.latency_bound_s)

@@ -64,6 +64,13 @@ class TritonClient:
                                               metadata=_metadata(headers), timeout=timeout_s)
         return bool(answer.ready)
 
+    async def model_parameters(self, model: str, headers: dict[str, str] | None,
+                               timeout_s: float) -> dict[str, str]:
+        """A model's config parameters (name -> string value)."""
+        answer = await self._stub.ModelConfig(service_pb2.ModelConfigRequest(name=model),
+                                              metadata=_metadata(headers), timeout=timeout_s)
+        return {k: v.string_value for k, v in answer.config.parameters.items()}
+
     def open_stream(self, headers: dict[str, str] | None, timeout_s: float) -> Any:
         """A ModelStreamInfer call (grpc.aio): `await write(request)`, then read its
         responses."""

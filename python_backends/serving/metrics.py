@@ -73,6 +73,9 @@ class EngineMetrics:
         self.usage = _metric(
             "llm_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use (0-1)", g, labels
         )
+        self.block_size = _metric(
+            "llm_kv_block_size_tokens", "Tokens per KV-cache block (a prefix hash covers one)",
+            g, labels)
         self.running = _metric(
             "llm_num_requests_running", "Sequences in the running batch", g, labels
         )
@@ -151,6 +154,7 @@ class EngineMetrics:
     def _publish(self, stats: EngineStats) -> None:
         self.blocks_used.set(stats.kv_blocks_used)
         self.blocks_total.set(stats.kv_blocks_total)
+        self.block_size.set(stats.kv_block_size)
         self.usage.set(stats.kv_blocks_used / stats.kv_blocks_total)
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)

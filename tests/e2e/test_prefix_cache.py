@@ -4,14 +4,24 @@ the kv_store model serves a prefix one worker instance computed to another."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 import uuid
 from typing import Any
 
+import aiohttp
 import pytest
 
 from python_backends.bench.client import as_list
+from python_backends.config import EngineConfig
+from python_backends.engine.sequence import Sequence
+from python_backends.front.tenancy import CacheSharing
+from python_backends.gateway.backends import Backend
+from python_backends.gateway.config import BackendConfig
+from python_backends.gateway.routing import RouteRequest, ServerView
 from python_backends.metrics_text import metric_sum
-from tests.e2e.conftest import MAX_TOKENS, PROMPTS, Reference, Server
+from python_backends.params import SamplingParams
+from tests.e2e.conftest import ENGINE_DIR, MAX_TOKENS, PROMPTS, Reference, Server
 
 pytestmark = pytest.mark.e2e
 GREEDY = {"max_tokens": MAX_TOKENS, "exclude_input_in_output": True}
@@ -85,6 +95,39 @@ def test_tenants_configured_to_share_do(server: Server) -> None:
         with Counters(server) as shared:
             server.client.generate(text, route="aggregated", tenant=b, **GREEDY)
     assert shared.delta("llm_prefix_cache_hits_total") > 0
+
+
+def test_the_gateway_hashes_prompts_as_the_servers_engines_do(server: Server) -> None:
+    """The gateway's prefix-aware routing reads from the server how its engines key cached KV
+    (the block size they publish, the front's tenant sharing), and reads it again when the
+    front reloads with another configuration."""
+    a, b = f"gw-a-{uuid.uuid4().hex[:8]}", f"gw-b-{uuid.uuid4().hex[:8]}"
+    backend = Backend(BackendConfig(name="s", grpc=server.options.grpc_address,
+                                    metrics=server.options.metrics_url))
+    repo = server.options.repository()
+
+    async def views() -> tuple[ServerView, ServerView]:
+        backend.connect()
+        try:
+            async with aiohttp.ClientSession() as session:
+                await backend.check(session, 10.0, 60.0)
+                before = backend.view(time.monotonic(), 60.0)
+                with repo.reloaded("front", prefix_cache_shared_tenants=f"{a},{b}"):
+                    await backend.check(session, 10.0, 60.0)
+                    return before, backend.view(time.monotonic(), 60.0)
+        finally:
+            await backend.client.close()
+
+    before, shared = asyncio.run(views())
+    block_size = EngineConfig.load(ENGINE_DIR).limits.block_size
+    assert before.block_size == shared.block_size == block_size
+    assert before.cache_sharing == CacheSharing()
+    assert shared.cache_sharing == CacheSharing(frozenset({a, b}))
+    prompt = list(range(3 * block_size + 5))
+    engine = Sequence("s", prompt, SamplingParams(max_tokens=1),
+                      cache_salt=shared.cache_sharing.salt(a)).block_hashes(block_size, 3)
+    routed = RouteRequest(b, token_ids=tuple(prompt)).prefix(block_size, shared.cache_sharing)
+    assert list(routed) == engine  # b's prompt is found where a's was cached
 
 
 def test_a_prefix_one_worker_instance_computed_is_read_by_another(server: Server) -> None:

@@ -7,6 +7,8 @@ from typing import Any
 
 import pytest
 
+from python_backends.engine.sequence import Sequence
+from python_backends.front.tenancy import CacheSharing
 from python_backends.gateway.config import GatewayConfig
 from python_backends.gateway.routing import (
     Canary,
@@ -16,9 +18,9 @@ from python_backends.gateway.routing import (
     Residency,
     RouteRequest,
     ServerView,
-    prefix_hashes,
 )
 from python_backends.gateway.service import build_policy
+from python_backends.params import SamplingParams
 
 REQ = RouteRequest(tenant="t")
 
@@ -54,13 +56,13 @@ def test_no_healthy_server_ranks_nothing() -> None:
 def test_prefix_aware_sends_a_shared_prefix_back_to_the_server_that_has_it() -> None:
     policy = PrefixAware(overlap_weight=1.0)
     system = list(range(64))  # a 64-token system prompt: 4 blocks of 16
-    turn1 = RouteRequest("t", prefix=prefix_hashes(system + [100] * 16, 16, "tenant:t"))
-    turn2 = RouteRequest("t", prefix=prefix_hashes(system + [200] * 16, 16, "tenant:t"))
+    turn1 = RouteRequest("t", token_ids=(*system, *[100] * 16))
+    turn2 = RouteRequest("t", token_ids=(*system, *[200] * 16))
     views = [_view("a", kv_blocks_used=2), _view("b", kv_blocks_used=0)]
     first = policy.rank(views, turn1)[0].name
     assert first == "b"  # nothing cached anywhere: the emptier server
     policy.record(first, turn1)
-    assert policy.overlap("b", turn2.prefix) == 4
+    assert policy.overlap("b", turn2.prefix(16, CacheSharing())) == 4
     # b now holds 3 blocks more than a, but a would compute 4 more of the prompt's 5 blocks
     views = [_view("a", kv_blocks_used=2), _view("b", kv_blocks_used=5)]
     assert policy.rank(views, turn2)[0].name == "b"
@@ -69,18 +71,42 @@ def test_prefix_aware_sends_a_shared_prefix_back_to_the_server_that_has_it() -> 
     assert policy.rank(views, turn2)[0].name == "a"
 
 
-def test_prefix_hashes_are_chained_and_salted() -> None:
-    ids = list(range(40))
-    assert len(prefix_hashes(ids, 16, "s")) == 2  # full blocks only
-    assert prefix_hashes(ids, 16, "s")[0] != prefix_hashes(ids, 16, "other")[0]
-    changed = [99, *ids[1:]]
-    assert prefix_hashes(changed, 16, "s")[1] != prefix_hashes(ids, 16, "s")[1]  # chained
+def test_prompts_are_hashed_as_each_servers_engines_key_their_blocks() -> None:
+    ids = tuple(range(64))
+    seq = Sequence("s", list(ids), SamplingParams(max_tokens=1), cache_salt="tenant:t")
+    engine_16 = seq.block_hashes(16, 4)
+    req = RouteRequest("t", token_ids=ids)
+    assert list(req.prefix(16, CacheSharing())) == engine_16  # the engine's own hashes
+    assert len(req.prefix(32, CacheSharing())) == 2  # another server's block size
+    shared = req.prefix(16, CacheSharing.parse("t"))
+    assert shared[0] != engine_16[0]  # a front that shares t's cache salts it otherwise
+    salted = RouteRequest("t", token_ids=ids, cache_salt="mine").prefix(16, CacheSharing())
+    assert salted[0] not in engine_16
+
+
+def test_each_server_is_scored_with_its_own_block_size() -> None:
+    policy = PrefixAware(overlap_weight=1.0)
+    prompt = RouteRequest("t", token_ids=tuple(range(64)))
+    views = [_view("a", block_size=16), _view("b", block_size=32)]
+    policy.rank(views, prompt)
+    policy.record("b", prompt)
+    assert policy.overlap("b", prompt.prefix(32, CacheSharing())) == 2
+    assert policy.overlap("b", prompt.prefix(16, CacheSharing())) == 0
+
+
+def test_a_server_without_a_block_size_gets_the_configured_one() -> None:
+    policy = PrefixAware(default_block_size=8)
+    prompt = RouteRequest("t", token_ids=tuple(range(64)))
+    policy.rank([_view("a")], prompt)
+    policy.record("a", prompt)
+    assert policy.overlap("a", prompt.prefix(8, CacheSharing())) == 8
 
 
 def test_the_prefix_index_is_bounded() -> None:
-    policy = PrefixAware(max_blocks=3)
-    policy.record("a", RouteRequest("t", prefix=(1, 2, 3, 4, 5)))
-    assert policy.overlap("a", (3, 4, 5)) == 3 and policy.overlap("a", (1,)) == 0
+    policy = PrefixAware(max_blocks=3, default_block_size=1)
+    policy.record("a", RouteRequest("t", token_ids=(1, 2, 3, 4, 5)))
+    prefix = RouteRequest("t", token_ids=(1, 2, 3, 4, 5)).prefix(1, CacheSharing())
+    assert policy.overlap("a", prefix[2:]) == 3 and policy.overlap("a", prefix[:1]) == 0
 
 
 def test_latency_aware_prefers_the_clients_region_and_spills_over() -> None:

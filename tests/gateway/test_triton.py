@@ -13,6 +13,7 @@ import pytest
 from tritonclient.grpc import InferResult, service_pb2
 from tritonclient.utils import serialize_byte_tensor
 
+from python_backends.front.tenancy import CacheSharing
 from python_backends.gateway.backends import Backend
 from python_backends.gateway.config import BackendConfig
 from python_backends.gateway.errors import ApiError
@@ -197,18 +198,19 @@ def test_a_restarted_front_breaks_the_streams_opened_before_it() -> None:
     backend = Backend(BackendConfig(name="a", grpc="127.0.0.1:1", metrics="http://x"))
     old, new = FakeCall(), FakeCall()
     backend.breaker.add(old)
-    backend.metrics = {FRONT_START_METRIC: {frozenset(): time.time() - 60}}
-    backend._watch_front()  # the front the gateway first saw: nothing to break
+    backend._watch_front({FRONT_START_METRIC: {frozenset(): time.time() - 60}})
+    # the front the gateway first saw: nothing to break
     assert not old.cancelled
     restart = time.time()
     time.sleep(0.01)
     backend.breaker.add(new)  # opened after the new front started
-    backend.metrics = {FRONT_START_METRIC: {frozenset(): restart}}
-    backend._watch_front()
+    backend.cache_sharing = CacheSharing()
+    backend._watch_front({FRONT_START_METRIC: {frozenset(): restart}})
     assert old.cancelled and not new.cancelled
     broken = backend.breaker.discard(old)
     assert broken is not None and broken.server_ok and "its front restarted" in broken.message
     assert backend.breaker.discard(new) is None
+    assert backend.cache_sharing is None  # read again: the new front may share differently
 
 
 def test_a_silent_server_breaks_only_the_streams_that_are_quiet_too() -> None:
