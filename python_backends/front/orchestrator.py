@@ -1,28 +1,38 @@
-"""A request's way through the engine groups, once it is admitted: route, prefill (with its
-fallback and one retry), relay, migration. Triton-free: engine groups are Channels
-(front.channel) and the client is a Client, so every branch runs in unit tests with fakes;
-serving/front.py is the Triton glue around it.
+"""A request's whole way through the front: admission (its tenant's cache salt, rate limits,
+the waiting bounds, a cancel ticket), then the engine groups: route, prefill (with its fallback
+and one retry), relay, migration. Triton-free: engine groups are Channels (front.channel) and
+the client is a Client, so every branch runs in unit tests with fakes; serving/front.py is the
+Triton glue around it (a BLS channel, the client's response sender).
 
-    route ─► aggregated ──────────────────────────────► relay ─► done
-          └► disaggregated ─► prefill ─► first token ─► relay (decode, with the KV handle)
-                                 │ failed or lost (a remote one is retried once elsewhere)
-                                 └──────────────────► relay (decode computes the prompt)
+    admit ─► refused (rate limit, too much waiting, no ticket left) ─► a clear error
+          └► route ─► aggregated ─────────────────────────────► relay ─► done
+                   └► disaggregated ─► prefill ─► first token ─► relay (decode, with the handle)
+                                          │ failed or lost (a remote one: once more elsewhere)
+                                          └─────────────────► relay (decode computes the prompt)
     relay ─► the engine is lost or says it cannot go on ─► migrate (resume_ids = tokens so far)
           ─► no engine left, or the move budget spent ─► a clear error
 """
-
 from __future__ import annotations
 
 import dataclasses
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
+from python_backends.flag_board import BoardFull, FlagBoard
+from python_backends.front.admission import (
+    OVERLOADED_PREFIX,
+    AdmissionControl,
+    RateLimiter,
+    Rejected,
+)
 from python_backends.front.channel import Caller, Channel, EngineLost
+from python_backends.front.liveness import IdleProber, Probed
 from python_backends.front.migration import MigrationBudget, MigrationReason, Moved, next_engine
 from python_backends.front.routing import Route, Router
 from python_backends.front.stream import RequestStream
+from python_backends.front.tenancy import CacheSharing
 from python_backends.front.validation import InvalidRequest
 from python_backends.wire import (
     ClientChunk,
@@ -36,8 +46,13 @@ from python_backends.wire import (
 log = logging.getLogger(__name__)
 
 
-class Client(Caller, Protocol):
+class Client(Caller, Probed, Protocol):
     """The request's link to its client (serving.front.ClientLink in a server)."""
+
+    def attach(self, board: FlagBoard, ticket: int, leave: Callable[[], None]) -> None:
+        """The request was admitted: its cancel ticket, and `leave` to call at its first
+        response (it stops waiting then)."""
+        ...
 
     @property
     def cancelled(self) -> bool:
@@ -64,6 +79,18 @@ class FlowMetrics(Protocol):
 
     def finished(self, state: RequestStream) -> None: ...
 
+    def rejected(self, reason: str, tenant: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class Gates:
+    """What a request passes before any engine work: its tenant's cache salt, its tenant's
+    rate limits, and the bounds on what may wait (front.admission, front.tenancy)."""
+
+    admission: AdmissionControl
+    rate_limiter: RateLimiter
+    cache_sharing: CacheSharing = field(default_factory=CacheSharing)
+
 
 @dataclass(frozen=True)
 class EngineGroups:
@@ -85,24 +112,57 @@ class EngineGroups:
 
 
 class Orchestrator:
-    """Serves admitted requests over the engine groups; thread-safe (one call per request)."""
+    """Serves requests; thread-safe (one `serve` call per request, on a thread of its own)."""
 
-    def __init__(self, groups: EngineGroups, router: Router, board_name: str,
-                 metrics: FlowMetrics, abandon_lease: Callable[[bytes], None],
-                 migration_limit: int = 3) -> None:
-        """`board_name`: the front's cancel board, which engines in this server watch.
+    def __init__(self, gates: Gates, groups: EngineGroups, router: Router, board: FlagBoard,
+                 prober: IdleProber, metrics: FlowMetrics,
+                 abandon_lease: Callable[[bytes], None], migration_limit: int = 3) -> None:
+        """`board`: the front's cancel board, which engines in this server watch; `prober`
+        looks after requests that sent nothing for a while (front.liveness).
         `abandon_lease`: frees a prefill's KV lease that no decode will pull (its handle)."""
+        self.gates = gates
         self.groups = groups
         self.router = router
-        self.board_name = board_name
+        self.board = board
+        self.prober = prober
         self.metrics = metrics
         self.abandon_lease = abandon_lease
         self.migration_limit = migration_limit
 
-    def serve(self, req: GenerationRequest, state: RequestStream, client: Client) -> None:
-        """Route `req` and relay its engines' tokens to `client` until it ends; every way it
-        can end (answer, error, cancellation) goes out through `client`."""
-        message = EngineRequest(req, self.board_name, client.ticket)
+    def serve(self, req: GenerationRequest, client: Client) -> None:
+        """Admit `req`, route it and relay its engines' tokens to `client` until it ends; every
+        way it can end (answer, error, cancellation) goes out through `client`."""
+        gates = self.gates
+        req = dataclasses.replace(req, cache_salt=gates.cache_sharing.salt(req.tenant,
+                                                                           req.cache_salt))
+        prompt_tokens = len(req.prompt_ids)
+        try:
+            gates.rate_limiter.check(req.tenant, prompt_tokens + req.params.max_tokens)
+            gates.admission.enter(prompt_tokens)
+        except Rejected as e:
+            self.metrics.rejected(e.reason.value, req.tenant)
+            client.fail(str(e), ErrorKind.UNAVAILABLE)
+            return
+        try:
+            ticket = self.board.acquire()
+        except BoardFull as e:
+            gates.admission.leave(prompt_tokens)
+            client.fail(f"{OVERLOADED_PREFIX} {e}", ErrorKind.UNAVAILABLE)
+            return
+        client.attach(self.board, ticket, lambda: gates.admission.leave(prompt_tokens))
+        state = RequestStream(req.prompt_ids, req.stream, req.exclude_input_in_output,
+                              req.params.return_log_probs, self.board.name, ticket)
+        state.resume(req.resume_ids)
+        self.prober.add(client)
+        try:
+            self._route(req, state, client)
+        finally:
+            self.prober.discard(client)
+            self.board.release(ticket)
+            client.first_response()
+
+    def _route(self, req: GenerationRequest, state: RequestStream, client: Client) -> None:
+        message = EngineRequest(req, self.board.name, client.ticket)
         if req.resume_ids:  # moved here from another server: an engine computes them with
             # the prompt and goes on (no prefill: there is more than a prompt to compute)
             self.metrics.routed(Route.AGGREGATED.value)

@@ -1,7 +1,7 @@
 """`front`: the decoupled BLS front of every request, as Triton glue.
 
-It admits each tokenized request (admission control, rate limits, a cancel ticket) and hands it
-to front.orchestrator, which routes it over the engine groups and relays their steps as client
+Each tokenized request goes to front.orchestrator, which admits it (rate limits, waiting
+bounds, a cancel ticket), routes it over the engine groups and relays their steps as client
 chunks. What is Triton's stays here: the response sender behind each request's ClientLink, and
 LocalGroup, the engine groups of this server called over BLS (front.channel's other
 implementation, for groups on other servers, is front.remote.RemoteGroup).
@@ -9,7 +9,6 @@ implementation, for groups on other servers, is front.remote.RemoteGroup).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import queue
@@ -29,23 +28,20 @@ from python_backends.config import (
     ROLE_ENV,
 )
 from python_backends.diagnostics import set_up_process
-from python_backends.flag_board import BoardCache, BoardFull, FlagBoard
+from python_backends.flag_board import BoardCache, FlagBoard
 from python_backends.front.admission import (
-    OVERLOADED_PREFIX,
     AdmissionControl,
     AdmissionLimits,
     RateLimiter,
-    Rejected,
     RejectReason,
     parse_rate_limits,
 )
 from python_backends.front.channel import Caller, Channel, EngineLost, Reply, batched
 from python_backends.front.liveness import HolderWatch, IdleProber
 from python_backends.front.migration import STUB_UNHEALTHY, MigrationReason, Moved
-from python_backends.front.orchestrator import EngineGroups, Orchestrator
+from python_backends.front.orchestrator import EngineGroups, Gates, Orchestrator
 from python_backends.front.remote import RemoteGroup, ServerSet
 from python_backends.front.routing import DisaggregationPolicy, Router
-from python_backends.front.stream import RequestStream
 from python_backends.front.tenancy import CacheSharing
 from python_backends.kv_transfer.base import KVHandle, abandon
 from python_backends.procfs import live_stubs
@@ -59,7 +55,7 @@ from python_backends.serving.common import (
     outputs_of,
     response,
 )
-from python_backends.serving.metrics import AdmissionMetrics, RequestMetrics
+from python_backends.serving.metrics import RequestMetrics
 from python_backends.serving.options import FrontOptions
 from python_backends.wire import (
     ClientChunk,
@@ -282,29 +278,26 @@ class FrontModel:
             min_prompt_tokens=options.disaggregation_min_prompt_tokens,
             max_inflight_prefills=options.disaggregation_max_inflight_prefills,
         ))
-        self.metrics = RequestMetrics(margs.model_name)
-        self.orchestrator = Orchestrator(
-            groups, router, self.board.name, self.metrics,
-            lambda handle: abandon(KVHandle.from_json(handle), self._boards),
-            migration_limit=options.migration_limit)
-        self.admission_metrics = AdmissionMetrics(
-            margs.model_name, tuple(r.value for r in RejectReason)
-        )
-        self.admission = AdmissionControl(AdmissionLimits(
-            max_waiting_requests=options.max_waiting_requests,
-            max_waiting_tokens=options.max_waiting_tokens,
-        ))
         try:
             limits = parse_rate_limits(options.rate_limits)
         except ValueError as e:
             raise pb_utils.TritonModelException(f"front: bad rate_limits: {e}") from None
-        self.rate_limiter = RateLimiter(limits)
-        self.cache_sharing = CacheSharing.parse(options.prefix_cache_shared_tenants)
-        self.pool = ThreadPoolExecutor(
-            max_workers=options.max_concurrent_requests,
-            thread_name_prefix="request",
+        gates = Gates(
+            AdmissionControl(AdmissionLimits(
+                max_waiting_requests=options.max_waiting_requests,
+                max_waiting_tokens=options.max_waiting_tokens,
+            )),
+            RateLimiter(limits),
+            CacheSharing.parse(options.prefix_cache_shared_tenants),
         )
         self.prober = IdleProber(options.client_probe_interval_seconds)
+        self.orchestrator = Orchestrator(
+            gates, groups, router, self.board, self.prober,
+            RequestMetrics(margs.model_name, tuple(r.value for r in RejectReason)),
+            lambda handle: abandon(KVHandle.from_json(handle), self._boards),
+            migration_limit=options.migration_limit)
+        self.pool = ThreadPoolExecutor(
+            max_workers=options.max_concurrent_requests, thread_name_prefix="request")
         self.prober.start()
 
     def execute(self, requests: list[Any]) -> None:
@@ -324,41 +317,12 @@ class FrontModel:
     def _serve(self, sender: Any, req: GenerationRequest) -> None:
         link = ClientLink(sender)
         try:
-            self._serve_one(link, req)
+            self.orchestrator.serve(req, link)
         except Exception as e:
             log.exception("request failed")
             link.fail(f"front: {e}", ErrorKind.INTERNAL)
         finally:
             link.close()  # every request ends inside Triton too, whatever happened
-
-    def _serve_one(self, link: ClientLink, req: GenerationRequest) -> None:
-        req = dataclasses.replace(req, cache_salt=self.cache_sharing.salt(req.tenant,
-                                                                          req.cache_salt))
-        prompt_tokens = len(req.prompt_ids)
-        try:
-            self.rate_limiter.check(req.tenant, prompt_tokens + req.params.max_tokens)
-            self.admission.enter(prompt_tokens)
-        except Rejected as e:
-            self.admission_metrics.rejected(e.reason.value, req.tenant)
-            link.fail(str(e), ErrorKind.UNAVAILABLE)
-            return
-        try:
-            ticket = self.board.acquire()
-        except BoardFull as e:
-            self.admission.leave(prompt_tokens)
-            link.fail(f"{OVERLOADED_PREFIX} {e}", ErrorKind.UNAVAILABLE)
-            return
-        link.attach(self.board, ticket, lambda: self.admission.leave(prompt_tokens))
-        state = RequestStream(req.prompt_ids, req.stream, req.exclude_input_in_output,
-                              req.params.return_log_probs, self.board.name, ticket)
-        state.resume(req.resume_ids)
-        self.prober.add(link)
-        try:
-            self.orchestrator.serve(req, state, link)
-        finally:
-            self.prober.discard(link)
-            self.board.release(ticket)
-            link.first_response()
 
     def finalize(self) -> None:
         self.prober.close()

@@ -277,9 +277,13 @@ class KVTransferMetrics:
 
 
 class RequestMetrics:
-    """Client-visible latencies, observed in the front."""
+    """Client-visible latencies, paths and refusals, observed in the front (the
+    front.orchestrator.FlowMetrics it counts)."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, reject_reasons: tuple[str, ...] = ()) -> None:
+        self.model = model
+        for reason in reject_reasons:  # the default tenant's series exist from the start, at 0
+            self._rejected(reason, DEFAULT_TENANT)
         labels = {"model": model}
         h = pb_utils.MetricFamily.HISTOGRAM
         self.ttft = _metric(
@@ -351,15 +355,6 @@ class RequestMetrics:
 
     def unserved(self) -> None:
         self.unserved_requests.increment(1)
-
-
-class AdmissionMetrics:
-    """Requests refused at the front door, by reason and tenant."""
-
-    def __init__(self, model: str, reasons: tuple[str, ...] = ()) -> None:
-        self.model = model
-        for reason in reasons:  # the default tenant's series exist from the start, at 0
-            self._rejected(reason, DEFAULT_TENANT)
 
     def _rejected(self, reason: str, tenant: str) -> Metric:
         return _metric(
