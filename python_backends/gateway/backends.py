@@ -47,8 +47,10 @@ class Backend:
         self.in_flight = 0
         self.breaker = Breaker()  # its open streams, ended when it loses them
         self.front_started: float | None = None  # its front's start (FRONT_START_METRIC)
-        # its front's prefix-cache sharing; None until read (again after a front restart)
-        self.cache_sharing: CacheSharing | None = None
+        # its front's prefix-cache sharing (each tenant its own cache until read), and the
+        # start of the front it was read from: a restarted front is read again
+        self.cache_sharing = CacheSharing()
+        self.sharing_read_from: float | None = None
         self._history: deque[tuple[float, Metrics]] = deque()  # scrapes of the TTFT window
         self.metrics = {}
 
@@ -71,7 +73,7 @@ class Backend:
             kv_blocks_used=metric_sum(m, "llm_kv_cache_blocks_used"),
             ttft_p95_s=self.ttft_p95(), canary=self.config.canary,
             block_size=int(max(m.get(BLOCK_SIZE_METRIC, {}).values(), default=0)),
-            cache_sharing=self.cache_sharing or CacheSharing())
+            cache_sharing=self.cache_sharing)
 
     def ttft_p95(self) -> float | None:
         """TTFT p95 of the requests that finished in the last TTFT_WINDOW_S (about)."""
@@ -122,28 +124,30 @@ class Backend:
         while len(self._history) > 2 and self._history[1][0] <= now - TTFT_WINDOW_S:
             self._history.popleft()
         self._watch_front(metrics)
-        if self.cache_sharing is None and self.ready:
-            await self._read_cache_sharing(timeout_s)
+        await self._read_cache_sharing(metrics, timeout_s)
         self.metrics = metrics
 
-    async def _read_cache_sharing(self, timeout_s: float) -> None:
-        """The front's prefix_cache_shared_tenants: the salt rules its engines key cached KV
-        by, which prefix-aware routing hashes prompts with. Unread (the front not loaded, an
-        older server): each tenant its own cache, the front's default."""
+    async def _read_cache_sharing(self, metrics: Metrics, timeout_s: float) -> None:
+        """The front's prefix_cache_shared_tenants, once per start of the front: the salt rules
+        its engines key cached KV by, which prefix-aware routing hashes prompts with. A server
+        without a front, or one whose config cannot be read, keeps the front's default (each
+        tenant its own cache) and is asked again at the next check."""
+        started = max(metrics.get(FRONT_START_METRIC, {}).values(), default=None)
+        if not self.ready or started is None or started == self.sharing_read_from:
+            return
         try:
             params = await self.client.model_parameters("front", self.headers, timeout_s)
         except Exception as e:
-            log.warning("backend %s: front config unread (%s); prefix routing assumes each "
-                        "tenant its own cache", self.name, e)
+            log.debug("backend %s: front config unread: %s", self.name, e)
             return
         self.cache_sharing = CacheSharing.parse(params.get(SHARING_PARAMETER, ""))
+        self.sharing_read_from = started
 
     def _watch_front(self, metrics: Metrics) -> None:
         started = max(metrics.get(FRONT_START_METRIC, {}).values(), default=None)
         if started is None:
             return
         if self.front_started is not None and started > self.front_started:
-            self.cache_sharing = None  # a reload may have changed its config
             n = self.breaker.break_all("its front restarted", opened_before=started,
                                        server_ok=True)
             log.warning("backend %s: its front restarted; %d stream(s) it held moved away",

@@ -24,6 +24,7 @@ from python_backends.gateway.triton import (
     read_piece,
     stream,
 )
+from python_backends.metrics_text import Metrics
 from python_backends.wire import FRONT_START_METRIC
 
 
@@ -204,13 +205,11 @@ def test_a_restarted_front_breaks_the_streams_opened_before_it() -> None:
     restart = time.time()
     time.sleep(0.01)
     backend.breaker.add(new)  # opened after the new front started
-    backend.cache_sharing = CacheSharing()
     backend._watch_front({FRONT_START_METRIC: {frozenset(): restart}})
     assert old.cancelled and not new.cancelled
     broken = backend.breaker.discard(old)
     assert broken is not None and broken.server_ok and "its front restarted" in broken.message
     assert backend.breaker.discard(new) is None
-    assert backend.cache_sharing is None  # read again: the new front may share differently
 
 
 def test_a_silent_server_breaks_only_the_streams_that_are_quiet_too() -> None:
@@ -222,3 +221,42 @@ def test_a_silent_server_breaks_only_the_streams_that_are_quiet_too() -> None:
     breaker.heard(talking)
     assert breaker.break_all("it has not answered for 3 s", quiet_s=0.04) == 1
     assert quiet.cancelled and not talking.cancelled and len(breaker) == 1
+
+
+class ConfigClient:
+    """A server's front config as the gateway reads it; None: the read fails."""
+
+    def __init__(self) -> None:
+        self.shared: str | None = ""
+        self.reads = 0
+
+    async def model_parameters(self, model: str, headers: Any, timeout_s: float
+                               ) -> dict[str, str]:
+        self.reads += 1
+        if self.shared is None:
+            raise ConnectionError("no front")
+        return {"prefix_cache_shared_tenants": self.shared}
+
+
+def test_the_fronts_cache_sharing_is_read_once_per_start_of_the_front() -> None:
+    backend = Backend(BackendConfig(name="a", grpc="127.0.0.1:1", metrics="http://x"))
+    client = ConfigClient()
+    backend.client, backend.ready = client, True
+
+    def check(started: float | None) -> None:
+        metrics: Metrics = {} if started is None else {FRONT_START_METRIC: {frozenset(): started}}
+        asyncio.run(backend._read_cache_sharing(metrics, 1.0))
+
+    check(None)  # no front on this server: nothing to read, each tenant its own cache
+    assert client.reads == 0 and backend.cache_sharing == CacheSharing()
+    client.shared = None
+    check(100.0)  # unreadable: the default, asked again next time
+    check(100.0)
+    assert client.reads == 2 and backend.cache_sharing == CacheSharing()
+    client.shared = "a,b"
+    check(100.0)
+    check(100.0)  # read once for this front
+    assert client.reads == 3 and backend.cache_sharing == CacheSharing.parse("a,b")
+    client.shared = ""
+    check(200.0)  # the front restarted: read again
+    assert client.reads == 4 and backend.cache_sharing == CacheSharing()
