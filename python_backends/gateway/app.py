@@ -160,6 +160,8 @@ async def _openai(gw: Gateway, request: Request, parse: Callable[[Any], Generati
         inputs["return_log_probs"] = True
     if gen.cache_salt is not None:
         inputs["cache_salt"] = gen.cache_salt
+    if gen.ignore_eos:
+        inputs["end_id"] = -1  # the ensemble's "no end token"
     upstream = BackendRequest(inputs, {"tenant": tenant}, route, endpoint)
     answer = Answer(gen, lambda t: str(gw.tokenizer.decode([t])))
     if gen.stream:
@@ -177,7 +179,7 @@ async def _openai(gw: Gateway, request: Request, parse: Callable[[Any], Generati
 async def _relay(call: Call, answer: Answer) -> AsyncIterator[Delta]:
     """The call's pieces as what the client may see: stop strings cut the text (and end the
     call), held-back text goes out at the end."""
-    stops = StopMatcher(answer.gen.stops)
+    stops = StopMatcher(answer.gen.stops, answer.gen.include_stop)
     async for piece in call.pieces():
         answer.prompt_tokens = piece.num_input_tokens or answer.prompt_tokens
         answer.completion_tokens = piece.num_output_tokens or answer.completion_tokens

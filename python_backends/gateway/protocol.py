@@ -1,9 +1,11 @@
 """OpenAI's /v1/completions and /v1/chat/completions requests, read into one `Generation`.
 
 Every field OpenAI defines is either served or refused by name: a client never has a field
-silently ignored. Sampling values are range-checked by the Triton server (its messages name
-the same fields); the gateway checks types, and what only it understands (prompt, messages,
-stop, n, stream_options, logprobs).
+silently ignored. So are the extra sampling fields of vLLM's OpenAI server, under vLLM's names
+and meanings, which clients written for vLLM or SGLang send (vLLM's own benchmark client sends
+`repetition_penalty` and `ignore_eos`). Sampling values are range-checked by the Triton server
+(its messages name the same fields); the gateway checks types, and what only it understands
+(prompt, messages, stop, n, stream_options, logprobs).
 """
 
 from __future__ import annotations
@@ -18,8 +20,12 @@ MAX_STOPS = 4  # OpenAI's limit
 # Sampling fields passed to the ensemble under the same name, with their JSON type.
 _SAMPLING: dict[str, type] = {"temperature": float, "top_p": float, "presence_penalty": float,
                               "frequency_penalty": float, "seed": int}
+# vLLM's extra fields this server takes (docs/gateway.md lists what each maps to).
+VLLM_FIELDS = {"top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos",
+               "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens",
+               "spaces_between_special_tokens"}
 _COMMON = {"model", "stream", "stream_options", "stop", "max_tokens", "n", "user", "cache_salt",
-           "logprobs", *_SAMPLING}
+           "logprobs", *_SAMPLING, *VLLM_FIELDS}
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "best_of", "suffix"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
 # Fields OpenAI defines that this server cannot honour (refused by name, with why).
@@ -54,6 +60,8 @@ class Generation:
     logprobs: bool = False
     user: str | None = None
     cache_salt: str | None = None
+    ignore_eos: bool = False  # generate until max_tokens, whatever the end token
+    include_stop: bool = False  # a matched stop string ends the text (vLLM's include_stop_str)
 
 
 def parse_completion(body: Any) -> Generation:
@@ -136,7 +144,42 @@ def _common(raw: dict[str, Any], chat: bool) -> Generation:
         gen.user = _text("user", raw["user"])
     if raw.get("cache_salt") is not None:
         gen.cache_salt = _text("cache_salt", raw["cache_salt"])
+    _vllm_fields(raw, gen)
     return gen
+
+
+def _vllm_fields(raw: dict[str, Any], gen: Generation) -> None:
+    """vLLM's extra sampling fields, with vLLM's meanings (None is the default everywhere)."""
+    if raw.get("top_k") is not None:
+        top_k = _int("top_k", raw["top_k"], lo=-1)
+        gen.sampling["top_k"] = max(top_k, 0)  # vLLM: -1 (or 0) keeps every token; here 0
+    if raw.get("repetition_penalty") is not None:
+        gen.sampling["repetition_penalty"] = _number("repetition_penalty",
+                                                     raw["repetition_penalty"])
+    if raw.get("min_tokens") is not None:
+        gen.sampling["min_tokens"] = _int("min_tokens", raw["min_tokens"], lo=0)
+    if raw.get("min_p") is not None and _number("min_p", raw["min_p"]) != 0:
+        raise invalid("min_p", "min-p sampling is not supported: use 0 (off), or top_p")
+    stop_ids = raw.get("stop_token_ids")
+    if stop_ids is not None:
+        if not isinstance(stop_ids, list) or not all(
+                isinstance(i, int) and not isinstance(i, bool) for i in stop_ids):
+            raise invalid("stop_token_ids", "expected a list of token ids")
+        if stop_ids:
+            raise invalid("stop_token_ids", "stopping on token ids besides the end token is "
+                          "not supported: use stop strings")
+    if raw.get("ignore_eos") is not None:
+        gen.ignore_eos = _bool("ignore_eos", raw["ignore_eos"])
+    if raw.get("include_stop_str_in_output") is not None:
+        gen.include_stop = _bool("include_stop_str_in_output",
+                                 raw["include_stop_str_in_output"])
+    if raw.get("skip_special_tokens") is not None and not _bool(
+            "skip_special_tokens", raw["skip_special_tokens"]):
+        raise invalid("skip_special_tokens", "special tokens are always left out of the text")
+    if raw.get("spaces_between_special_tokens") is not None:
+        # vLLM's default, true, is the only behaviour here; false changes nothing either, since
+        # special tokens are never in the text
+        _bool("spaces_between_special_tokens", raw["spaces_between_special_tokens"])
 
 
 def _messages(messages: Any) -> list[dict[str, str]]:

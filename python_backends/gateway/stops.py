@@ -6,24 +6,28 @@ from __future__ import annotations
 
 
 class StopMatcher:
-    def __init__(self, stops: list[str]) -> None:
+    def __init__(self, stops: list[str], include: bool = False) -> None:
+        """`include`: the matched stop string ends the text (vLLM's include_stop_str_in_output)
+        instead of being cut."""
         self.stops = [s for s in stops if s]
+        self.include = include
         self._held = ""
         self.stopped = False
 
     def feed(self, text: str) -> str:
         """The text that can go to the client now. After a stop string is found, `stopped` is
-        set and nothing more is emitted (the stop string itself is never sent)."""
+        set and nothing more is emitted (the stop string itself only with `include`)."""
         if self.stopped:
             return ""
         if not self.stops:
             return text
         pending = self._held + text
-        found = [i for i in (pending.find(s) for s in self.stops) if i >= 0]
+        found = [(i, s) for i, s in ((pending.find(s), s) for s in self.stops) if i >= 0]
         if found:
             self.stopped = True
             self._held = ""
-            return pending[:min(found)]
+            start, stop = min(found, key=lambda f: f[0])  # the first to start; ties: listed first
+            return pending[:start + len(stop)] if self.include else pending[:start]
         keep = self._partial_suffix(pending)
         self._held = pending[len(pending) - keep:] if keep else ""
         return pending[:len(pending) - keep]

@@ -108,6 +108,33 @@ def test_stop_strings_cut_the_text(gateway: Gateway, reference: Reference) -> No
         assert answer[-1].choices[0].finish_reason == "stop"
 
 
+def test_vllms_extra_fields_as_vllm_means_them(gateway: Gateway, reference: Reference) -> None:
+    """What vLLM's benchmark client and clients written for vLLM send is served with vLLM's
+    meanings: ignore_eos runs to max_tokens past the end token, include_stop_str_in_output
+    keeps the stop string, and the neutral values change nothing."""
+    client = gateway.openai()
+    question: Any = [{"role": "user", "content": "What is the capital of France?"}]
+    ends = client.chat.completions.create(model=MODEL, messages=question, max_tokens=48,
+                                          temperature=0)
+    assert ends.choices[0].finish_reason == "stop"  # the end token, well before 48
+    assert ends.usage is not None and ends.usage.completion_tokens < 48
+    runs_on = client.chat.completions.create(
+        model=MODEL, messages=question, max_tokens=48, temperature=0,
+        extra_body={"ignore_eos": True, "repetition_penalty": 1.0, "top_k": -1, "min_p": 0,
+                    "skip_special_tokens": True, "spaces_between_special_tokens": True})
+    assert runs_on.choices[0].finish_reason == "length"
+    assert runs_on.usage is not None and runs_on.usage.completion_tokens == 48
+    prompt = PROMPTS[0]
+    full = reference.text(prompt)
+    stop = full[5:8]
+    for stream in (False, True):
+        answer = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stop=[stop],
+            stream=stream, extra_body={"include_stop_str_in_output": True})
+        events: list[Any] = list(answer) if stream else [answer]
+        assert "".join(e.choices[0].text for e in events) == full[:full.index(stop) + 3]
+
+
 def test_logprobs_as_far_as_the_engine_gives_them(gateway: Gateway) -> None:
     out = gateway.openai().chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
@@ -121,6 +148,7 @@ def test_logprobs_as_far_as_the_engine_gives_them(gateway: Gateway) -> None:
     ("wrong", {"prompt": "x"}, 401),
     (KEY, {"prompt": "x", "model": "gpt-9"}, 404),
     (KEY, {"prompt": "x", "logit_bias": {"1": 1}}, 400),
+    (KEY, {"prompt": "x", "min_p": 0.2}, 400),
     (KEY, {"prompt": "x", "top_p": 1.5}, 400),  # the server's own check, passed through
 ])
 def test_error_statuses_with_openai_bodies(gateway: Gateway, key: str, body: dict[str, Any],

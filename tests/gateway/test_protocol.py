@@ -26,6 +26,18 @@ def test_completion_fields_map_to_the_ensemble() -> None:
     assert (gen.user, gen.cache_salt) == ("team-a", "s")
 
 
+def test_vllms_extra_fields_keep_vllms_meanings() -> None:
+    # what vLLM's benchmark client sends, and what clients written for vLLM often add
+    gen = parse_completion({"model": "m", "prompt": "x", "repetition_penalty": 1.0,
+                            "ignore_eos": True, "top_k": -1, "min_tokens": 4, "min_p": 0,
+                            "stop_token_ids": [], "include_stop_str_in_output": True,
+                            "skip_special_tokens": True, "spaces_between_special_tokens": False})
+    assert gen.sampling == {"repetition_penalty": 1.0, "top_k": 0, "min_tokens": 4}
+    assert gen.ignore_eos and gen.include_stop
+    chat = parse_chat({**CHAT, "top_k": 5, "ignore_eos": False})
+    assert chat.sampling == {"top_k": 5} and not chat.ignore_eos and not chat.include_stop
+
+
 def test_chat_messages_and_max_completion_tokens() -> None:
     gen = parse_chat({**CHAT, "messages": [
         {"role": "developer", "content": "Be brief."},
@@ -58,6 +70,18 @@ def test_chat_messages_and_max_completion_tokens() -> None:
     ({"model": "m", "prompt": "x", "logprobs": 5}, "logprobs"),
     ({"model": "m", "prompt": "x", "echo": True}, "echo"),
     ({"model": "m", "prompt": "x", "seed": -1}, "seed"),
+    ({"model": "m", "prompt": "x", "top_k": -2}, "top_k"),
+    ({"model": "m", "prompt": "x", "top_k": 1.5}, "top_k"),
+    ({"model": "m", "prompt": "x", "repetition_penalty": "none"}, "repetition_penalty"),
+    ({"model": "m", "prompt": "x", "min_tokens": -1}, "min_tokens"),
+    ({"model": "m", "prompt": "x", "min_p": 0.1}, "min_p"),
+    ({"model": "m", "prompt": "x", "ignore_eos": "yes"}, "ignore_eos"),
+    ({"model": "m", "prompt": "x", "stop_token_ids": [2]}, "stop_token_ids"),
+    ({"model": "m", "prompt": "x", "stop_token_ids": "2"}, "stop_token_ids"),
+    ({"model": "m", "prompt": "x", "skip_special_tokens": False}, "skip_special_tokens"),
+    ({"model": "m", "prompt": "x", "include_stop_str_in_output": 1},
+     "include_stop_str_in_output"),
+    ({"model": "m", "prompt": "x", "best_of_n": 2}, "best_of_n"),
 ])
 def test_completion_refusals_name_the_field(body: dict[str, Any], field: str) -> None:
     with pytest.raises(ApiError) as e:

@@ -41,3 +41,11 @@ def test_no_stops_passes_text_through() -> None:
 def test_nothing_after_a_stop() -> None:
     m = StopMatcher(["."])
     assert m.feed("Hi. More") == "Hi" and m.feed("text") == "" and m.flush() == ""
+
+
+def test_include_ends_the_text_with_the_stop_string() -> None:
+    first = StopMatcher(["b", "ab"], include=True)
+    assert first.feed("xxab and more") == "xxab" and first.stopped  # the earliest start wins
+    assert first.feed("more") == "" and first.flush() == ""
+    other = StopMatcher(["END"], include=True)
+    assert other.feed("Hello E") + other.feed("N") + other.feed("D more") == "Hello END"
