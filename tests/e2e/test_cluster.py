@@ -145,12 +145,17 @@ def test_a_prefill_server_killed_under_load_costs_no_request(
 
     front = cluster.front
     lost_before = _metric(front, "llm_request_migrations_total")
+    computed = "llm_prompt_tokens_computed_total"
     with ThreadPoolExecutor(len(STORIES)) as pool:
         results = [pool.submit(one, p) for p in STORIES]
-        # Killed once it has answered its first prompt, while it holds the others.
+        # Killed once it has computed its first step of prompt tokens (a 2048-token step, so
+        # its other prompts are still to compute), or answered its first prompt, whichever is
+        # seen first: waiting for an answer alone sometimes found all its prompts answered.
         answered = _metric(victim, "nv_inference_request_success", model="prefill")
+        started = _metric(victim, computed, model="prefill")
         deadline = time.monotonic() + 120
         while (_metric(victim, "nv_inference_request_success", model="prefill") == answered
+               and _metric(victim, computed, model="prefill") == started
                and time.monotonic() < deadline):
             time.sleep(0.05)
         _kill(victim)
