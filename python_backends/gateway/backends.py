@@ -123,16 +123,17 @@ class Backend:
         # keep one scrape at or before the window's start, as the baseline of the deltas
         while len(self._history) > 2 and self._history[1][0] <= now - TTFT_WINDOW_S:
             self._history.popleft()
-        self._watch_front(metrics)
-        await self._read_cache_sharing(metrics, timeout_s)
+        started = max(metrics.get(FRONT_START_METRIC, {}).values(), default=None)
+        self._watch_front(started)
+        await self._read_cache_sharing(started, timeout_s)
         self.metrics = metrics
 
-    async def _read_cache_sharing(self, metrics: Metrics, timeout_s: float) -> None:
+    async def _read_cache_sharing(self, started: float | None, timeout_s: float) -> None:
         """The front's prefix_cache_shared_tenants, once per start of the front: the salt rules
         its engines key cached KV by, which prefix-aware routing hashes prompts with. A server
         without a front, or one whose config cannot be read, keeps the front's default (each
-        tenant its own cache) and is asked again at the next check."""
-        started = max(metrics.get(FRONT_START_METRIC, {}).values(), default=None)
+        tenant its own cache) and is asked again at the next check. `started`: the front's
+        start (FRONT_START_METRIC), None without a front."""
         if not self.ready or started is None or started == self.sharing_read_from:
             return
         try:
@@ -143,8 +144,7 @@ class Backend:
         self.cache_sharing = CacheSharing.parse(params.get(SHARING_PARAMETER, ""))
         self.sharing_read_from = started
 
-    def _watch_front(self, metrics: Metrics) -> None:
-        started = max(metrics.get(FRONT_START_METRIC, {}).values(), default=None)
+    def _watch_front(self, started: float | None) -> None:
         if started is None:
             return
         if self.front_started is not None and started > self.front_started:

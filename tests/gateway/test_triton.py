@@ -24,8 +24,6 @@ from python_backends.gateway.triton import (
     read_piece,
     stream,
 )
-from python_backends.metrics_text import Metrics
-from python_backends.wire import FRONT_START_METRIC
 
 
 def test_inputs_take_the_ensembles_types_and_shapes() -> None:
@@ -199,13 +197,13 @@ def test_a_restarted_front_breaks_the_streams_opened_before_it() -> None:
     backend = Backend(BackendConfig(name="a", grpc="127.0.0.1:1", metrics="http://x"))
     old, new = FakeCall(), FakeCall()
     backend.breaker.add(old)
-    backend._watch_front({FRONT_START_METRIC: {frozenset(): time.time() - 60}})
+    backend._watch_front(time.time() - 60)
     # the front the gateway first saw: nothing to break
     assert not old.cancelled
     restart = time.time()
     time.sleep(0.01)
     backend.breaker.add(new)  # opened after the new front started
-    backend._watch_front({FRONT_START_METRIC: {frozenset(): restart}})
+    backend._watch_front(restart)
     assert old.cancelled and not new.cancelled
     broken = backend.breaker.discard(old)
     assert broken is not None and broken.server_ok and "its front restarted" in broken.message
@@ -244,8 +242,7 @@ def test_the_fronts_cache_sharing_is_read_once_per_start_of_the_front() -> None:
     backend.client, backend.ready = client, True
 
     def check(started: float | None) -> None:
-        metrics: Metrics = {} if started is None else {FRONT_START_METRIC: {frozenset(): started}}
-        asyncio.run(backend._read_cache_sharing(metrics, 1.0))
+        asyncio.run(backend._read_cache_sharing(started, 1.0))
 
     check(None)  # no front on this server: nothing to read, each tenant its own cache
     assert client.reads == 0 and backend.cache_sharing == CacheSharing()
