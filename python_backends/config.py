@@ -42,7 +42,6 @@ GRPC_API_KEY_HEADER = f"triton-grpc-protocol-{API_KEY_HEADER}"  # Triton's gRPC 
 RANK_MODULE = "python_backends.engine.ranks"
 FORMAT_VERSION = 1
 CONFIG_FILE = "config.json"
-SUPPORTED_ARCHITECTURES = ("llama", "mixtral")  # dense, and mixture-of-experts MLPs
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # by torch dtype name
 SUPPORTED_DTYPES = tuple(DTYPE_BYTES)
 # How projections keep their weights: "" as the engine's dtype; "int8": quantized to int8 at load
@@ -54,24 +53,48 @@ class EngineConfigError(ValueError):
     """An engine directory or layout that cannot be served."""
 
 
+ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+
+
 @dataclass(frozen=True)
 class RopeScaling:
-    """Rotary scaling as the checkpoint declares it (`rope_type` default, linear or llama3)."""
+    """Rotary scaling as the checkpoint declares it (`rope_type`: ROPE_TYPES). LongRoPE (Phi-3,
+    Phi-4-mini) divides each frequency by its short factor below the pretraining length
+    (`original_max_position_embeddings`) and by its long factor beyond, and scales cos and sin
+    by `attention_factor`."""
 
     rope_type: str = "default"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.rope_type not in ("default", "linear", "llama3"):
-            raise EngineConfigError(f"unsupported rope scaling type {self.rope_type!r}")
+        if self.rope_type not in ROPE_TYPES:
+            raise EngineConfigError(f"unsupported rope scaling type {self.rope_type!r} "
+                                    f"(supported: {', '.join(ROPE_TYPES)})")
+        if self.rope_type == "longrope" and not (self.short_factor and self.long_factor):
+            raise EngineConfigError("longrope scaling needs its short_factor and long_factor")
+
+    @property
+    def attention_scale(self) -> float:
+        return self.attention_factor if self.rope_type == "longrope" else 1.0
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RopeScaling:
+        d = dict(d)
+        for name in ("short_factor", "long_factor"):
+            d[name] = tuple(float(f) for f in d.get(name, ()))
+        return cls(**d)
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a Llama-family decoder."""
+    """What the shared decoder (models/decoder.py) computes: its shape and the switches in which
+    families differ. Each family's file (models/registry.py) fills it from a checkpoint."""
 
     vocab_size: int
     hidden_size: int
@@ -89,8 +112,21 @@ class ModelConfig:
     # each token is routed to. `intermediate_size` is then one expert's.
     num_experts: int = 0
     num_experts_per_tok: int = 0
+    # Whether the chosen experts' router weights are renormalized to sum to 1 (Mixtral: yes;
+    # Qwen3-MoE: as its config's norm_topk_prob says).
+    norm_topk_prob: bool = True
+    qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2)
+    qk_norm: bool = False  # an RMSNorm over each head of q and k before the rotation (Qwen3)
+    rotary_dim: int = 0  # dimensions of a head the rotation turns (0: all; Phi-4-mini: 3/4)
+    # Keys a query attends to, itself included, in every layer (Mistral); 0: the whole context.
+    sliding_window: int = 0
 
     def __post_init__(self) -> None:
+        if self.rotary_dim % 2 or not 0 <= self.rotary_dim <= self.head_dim:
+            raise EngineConfigError(f"rotary_dim ({self.rotary_dim}) must be even and at most "
+                                    f"the head size ({self.head_dim})")
+        if self.sliding_window < 0:
+            raise EngineConfigError("sliding_window must be >= 0")
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise EngineConfigError(
                 f"num_experts_per_tok ({self.num_experts_per_tok}) must be in 1.."
@@ -104,7 +140,7 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
         d = dict(d)
-        d["rope_scaling"] = RopeScaling(**d.get("rope_scaling", {}))
+        d["rope_scaling"] = RopeScaling.from_dict(d.get("rope_scaling", {}))
         return cls(**d)
 
 
@@ -191,7 +227,7 @@ class TokenizerInfo:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    architecture: str
+    architecture: str  # the checkpoint's model_type: a family of models.registry
     dtype: str
     model: ModelConfig
     limits: EngineLimits
@@ -202,8 +238,6 @@ class EngineConfig:
     weights: str = ""  # SUPPORTED_WEIGHTS
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise EngineConfigError(f"unsupported architecture {self.architecture!r}")
         if self.dtype not in SUPPORTED_DTYPES:
             raise EngineConfigError(f"unsupported dtype {self.dtype!r}")
         if self.weights not in SUPPORTED_WEIGHTS:

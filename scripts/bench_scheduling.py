@@ -22,11 +22,11 @@ from python_backends.config import DEFAULT_ENGINE_DIR, EngineConfig, EngineLimit
 from python_backends.engine.llm_engine import LLMEngine
 from python_backends.engine.loader import load_model
 from python_backends.engine.waiting_queue import PriorityFairQueue
-from python_backends.models.llama import LlamaForCausalLM
+from python_backends.models.decoder import CausalLM
 from python_backends.params import SamplingParams
 
 
-def make_engine(config: EngineConfig, model: LlamaForCausalLM, limits: EngineLimits,
+def make_engine(config: EngineConfig, model: CausalLM, limits: EngineLimits,
                 chunked: bool) -> LLMEngine:
     cfg = dataclasses.replace(config, limits=limits)
     return LLMEngine(cfg, model, num_kv_blocks=1024, enable_chunked_prefill=chunked,
@@ -37,7 +37,7 @@ def prompt(n: int, salt: int) -> list[int]:
     return [(salt * 131 + j * 7) % 40000 + 100 for j in range(n)]
 
 
-def chunked_prefill(config: EngineConfig, model: LlamaForCausalLM, long_prompt: int,
+def chunked_prefill(config: EngineConfig, model: CausalLM, long_prompt: int,
                     budget: int, chunked: bool) -> list[float]:
     """Inter-token gaps of 4 decode streams while 3 long prompts arrive one by one."""
     # Unchunked, the budget must hold a whole prompt beside the decodes.
@@ -66,7 +66,7 @@ def chunked_prefill(config: EngineConfig, model: LlamaForCausalLM, long_prompt: 
     return gaps
 
 
-def priority_ttft(config: EngineConfig, model: LlamaForCausalLM, busy: bool) -> float:
+def priority_ttft(config: EngineConfig, model: CausalLM, busy: bool) -> float:
     limits = EngineLimits(max_seq_len=1024, max_num_seqs=8, max_num_batched_tokens=1024,
                           block_size=config.limits.block_size)
     engine = make_engine(config, model, limits, chunked=True)

@@ -23,7 +23,7 @@ import torch
 
 from python_backends.engine.llm_engine import LLMEngine
 from python_backends.models import kernels
-from python_backends.models.llama import LlamaForCausalLM
+from python_backends.models.decoder import CausalLM
 from python_backends.parallel.layers import Linear, pass_seconds
 from python_backends.params import SamplingParams
 
@@ -36,7 +36,7 @@ class Projections:
     lm_head: Linear | None
 
     @classmethod
-    def of(cls, model: LlamaForCausalLM) -> Projections:
+    def of(cls, model: CausalLM) -> Projections:
         if model.config.num_experts:
             raise ValueError("the roofline covers dense models; this one has experts")
         if model.ctx.layout.world_size > 1:

@@ -24,14 +24,13 @@ from python_backends.config import (
     EngineLimits,
     ModelConfig,
     ParallelLayout,
-    RopeScaling,
     TokenizerInfo,
 )
 from python_backends.engine.loader import DTYPES
+from python_backends.models import registry
 from python_backends.parallel.sharding import shard_state
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SUPPORTED_MODEL_TYPES = ("llama", "mixtral")
 
 
 def default_source() -> Path:
@@ -91,41 +90,9 @@ def hf_greedy(engine_dir: str | Path, prompts: list[str], max_tokens: int) -> di
 
 
 def model_config_from_hf(hf: Any) -> ModelConfig:
-    if hf.model_type not in SUPPORTED_MODEL_TYPES:
-        raise EngineConfigError(
-            f"model_type {hf.model_type!r} is not supported (supported: {SUPPORTED_MODEL_TYPES})"
-        )
-    if getattr(hf, "attention_bias", False) or getattr(hf, "mlp_bias", False):
-        raise EngineConfigError("checkpoints with attention or MLP biases are not supported")
-    if getattr(hf, "hidden_act", "silu") != "silu":
-        raise EngineConfigError(f"activation {hf.hidden_act!r} is not supported (silu only)")
-    rope = dict(getattr(hf, "rope_parameters", None) or {})
-    theta = rope.pop("rope_theta", getattr(hf, "rope_theta", 10000.0))
-    legacy = getattr(hf, "rope_scaling", None) or {}
-    rope = {**legacy, **rope}
-    rope_type = str(rope.get("rope_type") or rope.get("type") or "default")
-    known = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    scaling = RopeScaling(rope_type=rope_type, **{k: rope[k] for k in known if k in rope})
-    window = getattr(hf, "sliding_window", None)
-    if window is not None and window < hf.max_position_embeddings:
-        raise EngineConfigError(f"sliding-window attention ({window} tokens) is not supported")
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-    return ModelConfig(
-        vocab_size=hf.vocab_size,
-        hidden_size=hf.hidden_size,
-        intermediate_size=hf.intermediate_size,
-        num_layers=hf.num_hidden_layers,
-        num_heads=hf.num_attention_heads,
-        num_kv_heads=hf.num_key_value_heads,
-        head_dim=head_dim,
-        rms_norm_eps=float(hf.rms_norm_eps),
-        rope_theta=float(theta),
-        max_position_embeddings=hf.max_position_embeddings,
-        tie_word_embeddings=bool(hf.tie_word_embeddings),
-        rope_scaling=scaling,
-        num_experts=int(getattr(hf, "num_local_experts", 0) or 0),
-        num_experts_per_tok=int(getattr(hf, "num_experts_per_tok", 0) or 0),
-    )
+    """The decoder's config of a Hugging Face config, by its family (models.registry); an
+    unsupported `model_type` is refused naming the supported ones."""
+    return registry.model_config(hf)
 
 
 def tokenizer_info(tokenizer: Any, hf_config: Any) -> TokenizerInfo:
@@ -162,9 +129,10 @@ def write_engine(
     )  # refuses a layout the model cannot take
     tmp = _partial_dir(out_dir, force)
     tmp.mkdir(parents=True)
+    hf_state = registry.family(config.architecture).engine_state(model_cfg, model.state_dict())
     state = {
         name: t.detach().to(DTYPES[dtype]).contiguous()
-        for name, t in model.state_dict().items()
+        for name, t in hf_state.items()
         if not (model_cfg.tie_word_embeddings and name == "lm_head.weight")
     }
     log(f"{len(state)} tensors, {sum(t.numel() for t in state.values()) / 1e6:.1f} M parameters "

@@ -24,7 +24,7 @@ from python_backends.engine.speculative import SpeculationConfig
 from python_backends.engine.waiting_queue import WaitingQueue
 from python_backends.kv_transfer.layout import KVLayout
 from python_backends.models import kernels
-from python_backends.models.llama import LlamaForCausalLM
+from python_backends.models.decoder import CausalLM
 from python_backends.parallel.context import ParallelContext
 from python_backends.parallel.placement import Placement
 from python_backends.params import FinishReason, SamplingParams
@@ -91,7 +91,7 @@ class LLMEngine:
     instances is a component of its own (`handoff`)."""
 
     def __init__(
-        self, config: EngineConfig, model: LlamaForCausalLM, num_kv_blocks: int,
+        self, config: EngineConfig, model: CausalLM, num_kv_blocks: int,
         enable_chunked_prefill: bool = True, waiting: WaitingQueue | None = None,
         kv_pool: torch.Tensor | None = None, group: RankGroup | None = None,
         enable_prefix_caching: bool = True, kv_tier: TierFactory | None = None,

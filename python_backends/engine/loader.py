@@ -10,7 +10,8 @@ from safetensors.torch import load_file
 from python_backends.config import SUPPORTED_DTYPES, EngineConfig, EngineConfigError
 from python_backends.host_memory import trim_heap
 from python_backends.kv_transfer.layout import KVLayout
-from python_backends.models.llama import LlamaForCausalLM
+from python_backends.models import registry
+from python_backends.models.decoder import CausalLM, rotary_embedding
 from python_backends.parallel.context import ParallelContext
 
 DTYPES = {name: getattr(torch, name) for name in SUPPORTED_DTYPES}
@@ -37,15 +38,16 @@ def pack_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def load_model(
     engine_dir: str | Path, config: EngineConfig, ctx: ParallelContext | None = None
-) -> LlamaForCausalLM:
+) -> CausalLM:
     """The weights of rank `ctx.rank` (default: the single-rank context), on `ctx.device`."""
     ctx = ctx or ParallelContext(config.parallel)
     path = Path(engine_dir) / config.weight_files()[ctx.rank]
     if not path.is_file():
         raise EngineConfigError(f"weight file {path} missing: rebuild the engine")
     dtype = DTYPES[config.dtype]
+    registry.family(config.architecture)  # refuses an engine of a family this code lacks
     with torch.device("meta"):
-        model = LlamaForCausalLM(config.model, ctx)
+        model = CausalLM(config.model, ctx)
     state = pack_weights(load_file(str(path), device=str(ctx.device)))
     tied = config.model.tie_word_embeddings and model.model.embed_tokens is not None
     expected = {k for k in model.state_dict() if not (tied and k == "lm_head.weight")}
@@ -58,10 +60,7 @@ def load_model(
     if tied and model.lm_head is not None and model.model.embed_tokens is not None:
         model.lm_head.weight = model.model.embed_tokens.weight
     # The rotary tables are buffers computed from the config, not weights: rebuild them for real.
-    model.model.rotary_emb = type(model.model.rotary_emb)(
-        config.model.head_dim, config.model.max_position_embeddings,
-        config.model.rope_theta, config.model.rope_scaling,
-    )
+    model.model.rotary_emb = rotary_embedding(config.model)
     model = model.to(device=ctx.device, dtype=dtype).eval()
     if config.weights == "int8":
         if ctx.device.type != "cpu":

@@ -3,6 +3,7 @@ model."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence as Seq
 from typing import Protocol
@@ -21,8 +22,10 @@ from python_backends.models.attention import (
     DecodeBatch,
     PrefillSpan,
     causal_mask,
+    window_mask,
+    window_start,
 )
-from python_backends.models.llama import LlamaForCausalLM
+from python_backends.models.decoder import CausalLM
 
 MicroBatch = tuple[torch.Tensor, AttentionMetadata]  # token ids [T], their metadata
 
@@ -37,7 +40,7 @@ class RankGroup(Protocol):
     @property
     def ranks_alive(self) -> int: ...
 
-    def run(self, model: LlamaForCausalLM, batches: list[MicroBatch]) -> list[torch.Tensor]:
+    def run(self, model: CausalLM, batches: list[MicroBatch]) -> list[torch.Tensor]:
         """One step: the micro-batches through every rank; the last stage's logits of each."""
         ...
 
@@ -49,7 +52,7 @@ class RankGroup(Protocol):
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_pool: torch.Tensor, block_size: int,
+    def __init__(self, model: CausalLM, kv_pool: torch.Tensor, block_size: int,
                  group: RankGroup | None = None) -> None:
         """`kv_pool`: [layers, 2, slots, kv_heads, head_dim] (see kv_transfer.layout), allocated
         once: the one region a KV transport maps or registers; this rank's slice under TP/PP.
@@ -91,7 +94,7 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[torch.Tensor] = []
         slot_mapping: list[torch.Tensor] = []
-        prefills: list[PrefillSpan] = []
+        prompts: list[tuple[Sequence, int, int, int]] = []  # seq, first row, start, end
         decode_index: list[int] = []
         decodes: list[tuple[Sequence, int]] = []  # a decode row's sequence and context length
         logits_index: list[int] = []
@@ -108,32 +111,51 @@ class ModelRunner:
                 decode_index.extend(range(t, t + n))
                 decodes.extend((seq, start + 1 + i) for i in range(n))
             else:
-                if start > 0:
-                    prefills.append(PrefillSpan(t, t + n, end, self._slots(seq, 0, end),
-                                                causal_mask(n, end)))
-                else:
-                    prefills.append(PrefillSpan(t, t + n, end, torch.empty(0, dtype=torch.long)))
+                prompts.append((seq, t, start, end))
             t += n
             if item.samples:  # the last known token's logits, and each draft token's
                 rows = range(t - 1 - len(item.draft), t)
                 logits_index.extend(rows)
                 sampling.extend([seq] * len(rows))
-        decode = None
-        if decodes:
-            lens = [n_ctx for _, n_ctx in decodes]
-            slots = torch.zeros(len(decodes), max(lens), dtype=torch.long)
-            for row, (seq, n_ctx) in enumerate(decodes):
-                slots[row, :n_ctx] = self._slots(seq, 0, n_ctx)
-            decode = DecodeBatch(torch.tensor(decode_index), slots, torch.tensor(lens))
         meta = AttentionMetadata(
             positions=torch.cat(positions),
             slot_mapping=torch.cat(slot_mapping),
-            prefills=tuple(prefills),
-            decode=decode,
+            prefills=tuple(self._prefill_span(*p, window=0) for p in prompts),
+            decode=self._decode_batch(decode_index, decodes, window=0),
             logits_index=torch.tensor(logits_index, dtype=torch.long),
             argmax_only=bool(sampling) and all(argmax_only(s.params) for s in sampling),
         )
+        if window := self.model.config.sliding_window:
+            meta = dataclasses.replace(meta, windowed=dataclasses.replace(
+                meta, prefills=tuple(self._prefill_span(*p, window=window) for p in prompts),
+                decode=self._decode_batch(decode_index, decodes, window=window)))
         return torch.tensor(input_ids, dtype=torch.long), meta, sampling
+
+    def _prefill_span(self, seq: Sequence, row: int, start: int, end: int,
+                      window: int) -> PrefillSpan:
+        """Rows [row, row + end - start) computing positions [start, end) of `seq`, over its
+        whole context, or over each query's `window` where it is not 0."""
+        n = end - start
+        if window and end > window:
+            first = window_start(start, window)
+            return PrefillSpan(row, row + n, end - first, self._slots(seq, first, end),
+                               window_mask(start, end, window))
+        if start > 0:
+            return PrefillSpan(row, row + n, end, self._slots(seq, 0, end), causal_mask(n, end))
+        return PrefillSpan(row, row + n, end, torch.empty(0, dtype=torch.long))
+
+    def _decode_batch(self, rows: list[int], decodes: list[tuple[Sequence, int]],
+                      window: int) -> DecodeBatch | None:
+        """One query per row over its sequence's first `n_ctx` tokens, or their last `window`
+        where it is not 0."""
+        if not decodes:
+            return None
+        firsts = [window_start(n_ctx - 1, window) if window else 0 for _, n_ctx in decodes]
+        lens = [n_ctx - first for (_, n_ctx), first in zip(decodes, firsts, strict=True)]
+        slots = torch.zeros(len(decodes), max(lens), dtype=torch.long)
+        for i, ((seq, n_ctx), first) in enumerate(zip(decodes, firsts, strict=True)):
+            slots[i, : n_ctx - first] = self._slots(seq, first, n_ctx)
+        return DecodeBatch(torch.tensor(rows), slots, torch.tensor(lens))
 
     @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> tuple[HeadOutput, list[Sequence]]:
@@ -175,7 +197,7 @@ class ModelRunner:
         return out
 
 
-def rank_runner(config: EngineConfig, model: LlamaForCausalLM, num_kv_blocks: int,
+def rank_runner(config: EngineConfig, model: CausalLM, num_kv_blocks: int,
                 kv_pool: torch.Tensor | None = None, group: RankGroup | None = None,
                 ) -> ModelRunner:
     """The runner of rank `model.ctx.rank` over its KV slice (`kv_pool`, else allocated on the

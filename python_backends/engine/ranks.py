@@ -38,7 +38,7 @@ from python_backends.config import RANK_MODULE, EngineConfig
 from python_backends.diagnostics import set_up_process
 from python_backends.engine.loader import DTYPES, load_model
 from python_backends.engine.model_runner import MicroBatch, rank_runner
-from python_backends.models.llama import LlamaForCausalLM
+from python_backends.models.decoder import CausalLM
 from python_backends.net import free_port
 from python_backends.parallel.context import ParallelContext, timed
 from python_backends.parallel.placement import CPU, dist_backend
@@ -90,7 +90,7 @@ def join_group(rank: int, world_size: int, port: int, config: EngineConfig,
     return ParallelContext(layout, rank, mine, device, logits_group)
 
 
-def run_stage(model: LlamaForCausalLM, ctx: ParallelContext, batches: Sequence[MicroBatch],
+def run_stage(model: CausalLM, ctx: ParallelContext, batches: Sequence[MicroBatch],
               dtype: torch.dtype) -> list[torch.Tensor]:
     """This rank's part of one step: the logits of every micro-batch on rank 0, else [].
     `dtype`: the engine's (of the hidden states passed between stages)."""
@@ -184,7 +184,7 @@ class RankGroup:
             self.check()  # logs a death once
         return 1 + sum(p.poll() is None for p in self.procs.values())
 
-    def run(self, model: LlamaForCausalLM, batches: list[MicroBatch]) -> list[torch.Tensor]:
+    def run(self, model: CausalLM, batches: list[MicroBatch]) -> list[torch.Tensor]:
         self.check()
         try:
             with timed("broadcast"):

@@ -28,7 +28,10 @@ class PrefillSpan:
     end: int
     context_len: int  # tokens in the cache after this step, including the new ones
     context_slots: torch.Tensor  # [context_len] slots holding the context, in order
-    mask: torch.Tensor | None = None  # [n, context_len] causal mask when a context was cached
+    # [n, context_len] which context tokens each query sees, where not simply all before it
+    # within this step's own tokens (a cached context, or a sliding window); None: causal
+    # attention over this step's keys and values alone.
+    mask: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> PrefillSpan:
         return PrefillSpan(self.start, self.end, self.context_len,
@@ -63,6 +66,9 @@ class AttentionMetadata:
     # Every sampled row wants only its greedy token (no log-probabilities, penalties or bans):
     # the model may return the argmax instead of the logits (models.greedy_head).
     argmax_only: bool = False
+    # The same step as layers with a sliding window see it: each query's context cut to its
+    # window (window_context); None where the model has no window.
+    windowed: AttentionMetadata | None = None
 
     @classmethod
     def one_prompt(cls, n: int) -> AttentionMetadata:
@@ -83,6 +89,7 @@ class AttentionMetadata:
             decode=self.decode.to(device) if self.decode is not None else None,
             logits_index=_to(self.logits_index, device),
             argmax_only=self.argmax_only,
+            windowed=self.windowed.to(device) if self.windowed is not None else None,
         )
 
 
@@ -98,6 +105,21 @@ def causal_mask(n: int, context_len: int) -> torch.Tensor:
     """[n, context_len]: query i (at position context_len - n + i) sees positions <= its own."""
     rows = torch.arange(n).unsqueeze(1) + (context_len - n)
     return torch.arange(context_len).unsqueeze(0) <= rows
+
+
+def window_start(position: int, window: int) -> int:
+    """The first position a query at `position` sees under a sliding window of `window` keys
+    (itself included), as Hugging Face masks it."""
+    return max(0, position - window + 1)
+
+
+def window_mask(start: int, end: int, window: int) -> torch.Tensor:
+    """[end - start, end - window_start(start, window)]: queries at positions [start, end) over
+    the keys from the first one's window start, each seeing its own window."""
+    first = window_start(start, window)
+    queries = torch.arange(start, end).unsqueeze(1)
+    keys = torch.arange(first, end).unsqueeze(0)
+    return (keys <= queries) & (keys > queries - window)
 
 
 def write_kv(
@@ -120,11 +142,10 @@ def paged_attention(
         return decode_attention(q, cache, meta.decode, scale)
     out = torch.empty_like(q)
     for span in meta.prefills:
-        n = span.end - span.start
         # [1, H, n, D]: batched 4-D operands take torch's flash kernel on the CPU, which is
         # much faster than the math fallback that 3-D operands get.
         qs = q[span.start : span.end].transpose(0, 1).unsqueeze(0)
-        if span.context_len == n:  # nothing cached before: use this step's K/V directly
+        if span.mask is None:  # nothing cached before: use this step's K/V directly
             ks = k[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, K, n, D]
             vs = v[span.start : span.end].transpose(0, 1).unsqueeze(0)
             o = _sdpa(qs, ks, vs, None, scale, causal=True)

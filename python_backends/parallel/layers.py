@@ -102,7 +102,7 @@ class Linear(nn.Linear):
         out_features)`. float32 CPU weights without bias only; False, and nothing changed,
         for others."""
         weight = self.weight.detach()
-        if weight.device.type != "cpu" or weight.dtype != torch.float32 or self.bias is not None:
+        if weight.device.type != "cpu" or weight.dtype != torch.float32:
             return False
         self.native, self.native_op = pack(weight), op
         self.weight = nn.Parameter(torch.empty(0, dtype=weight.dtype), requires_grad=False)
@@ -117,6 +117,14 @@ class Linear(nn.Linear):
         return self.packed.dtype if self.packed is not None else self.weight.dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is None:
+            return self._product(x)
+        if self.packed is not None and not (self.plain is not None and x.shape[0] == 1):
+            return _packed_linear(x, self.packed, self.bias)  # oneDNN adds it in the GEMM
+        return self._product(x) + self.bias
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T, without the bias."""
         if self.native_op is not None:
             rows = x.reshape(-1, x.shape[-1])
             return self.native_op(rows, self.native, self.out_features).view(
@@ -130,8 +138,9 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight)
 
 
-def _packed_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+def _packed_linear(x: torch.Tensor, packed: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 def pass_seconds(linears: Sequence[Linear], rows: int, repeats: int = 3,
@@ -196,8 +205,9 @@ class ColumnParallelLinear(Linear):
     """y[..., my slice of out_features] = x W_slice^T. Packed projections (qkv, gate_up) are
     sharded part by part by the builder, so the local slice is again [q; k; v] or [gate; up]."""
 
-    def __init__(self, in_features: int, out_features: int, ctx: ParallelContext) -> None:
-        super().__init__(in_features, shard_size(out_features, ctx), bias=False)
+    def __init__(self, in_features: int, out_features: int, ctx: ParallelContext,
+                 bias: bool = False) -> None:
+        super().__init__(in_features, shard_size(out_features, ctx), bias=bias)
 
 
 class RowParallelLinear(Linear):

@@ -1,9 +1,10 @@
 """Mixture-of-experts MLP (Mixtral-style) with the experts placed across expert-parallel ranks.
 
-Router: softmax over all experts (float32), top-k, weights renormalized to sum to 1, as Hugging
-Face's Mixtral. Each rank holds experts [ep_rank * E/ep, (ep_rank + 1) * E/ep). The stage's ranks
-all see the whole step (attention is replicated or tensor-parallel before this layer), so each
-takes its own contiguous share of the tokens, and then:
+Router: softmax over all experts (float32), top-k, weights renormalized to sum to 1 where the
+family does (`ModelConfig.norm_topk_prob`: Mixtral always, Qwen3-MoE as its config says), as
+Hugging Face computes them. Each rank holds experts [ep_rank * E/ep, (ep_rank + 1) * E/ep).
+The stage's ranks all see the whole step (attention is replicated or tensor-parallel before this
+layer), so each takes its own contiguous share of the tokens, and then:
 
 1. dispatch: every (token, chosen expert) pair goes to the rank holding that expert, one
    all-to-all (counts first, then the rows);
@@ -30,6 +31,7 @@ class MoE(nn.Module):
         super().__init__()
         self.ctx = ctx
         self.top_k = cfg.num_experts_per_tok
+        self.renormalize = cfg.norm_topk_prob
         self.num_local = cfg.num_experts // ctx.ep_size
         self.first_expert = ctx.ep_rank * self.num_local
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # the router
@@ -39,7 +41,9 @@ class MoE(nn.Module):
         ctx = self.ctx
         probs = F.softmax(self.gate(x).float(), dim=-1)
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
-        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
         sizes = [len(part) for part in torch.arange(len(x)).tensor_split(ctx.ep_size)]
         start = sum(sizes[: ctx.ep_rank])
         mine = slice(start, start + sizes[ctx.ep_rank])
@@ -77,7 +81,7 @@ class MoE(nn.Module):
 
 
 class Experts(nn.Module):
-    """This rank's experts, stored as Hugging Face's Mixtral stores all of them:
+    """This rank's experts, stored as Hugging Face's Mixtral and Qwen3-MoE store all of them:
     gate_up_proj [E, 2I, H] and down_proj [E, H, I]."""
 
     def __init__(self, num: int, hidden_size: int, intermediate_size: int) -> None:

@@ -19,6 +19,7 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # divides each slice), row-parallel ones their columns (input features); the experts of a
 # mixture-of-experts layer ([experts, ...] tensors) are split whole across expert-parallel ranks.
 _COLUMN = {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+           "self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias",
            "mlp.gate_proj.weight", "mlp.up_proj.weight"}
 _ROW = {"self_attn.o_proj.weight", "mlp.down_proj.weight"}
 _EXPERTS = {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"}
@@ -59,7 +60,7 @@ def shard_state(
             elif rest in _EXPERTS:
                 out[local] = _slice(t, 0, layout.ep, ctx.ep_rank)
             else:
-                out[local] = t.contiguous()  # norms, the MoE router: replicated
+                out[local] = t.contiguous()  # norms (q/k's per head), the router: replicated
         elif name == "model.embed_tokens.weight":
             if first:
                 out[name] = _vocab_shard(t, cfg.vocab_size, tp, tp_rank)

@@ -19,7 +19,7 @@ from python_backends.bench.roofline import (
 from python_backends.config import EngineLimits, ParallelLayout
 from python_backends.engine.builder import write_engine
 from python_backends.engine.llm_engine import LLMEngine
-from python_backends.models.llama import LlamaForCausalLM
+from python_backends.models.decoder import CausalLM
 from python_backends.parallel.context import ParallelContext
 from python_backends.parallel.layers import int8_supported
 from tests.conftest import TinyModel, make_tiny_llama
@@ -62,7 +62,7 @@ def test_int8_projections_count_one_byte_per_weight(tiny_llama: TinyModel,
     p = engine_as(tiny_llama, tmp_path / "int8", "float32", weights="int8")
     body, head = hf_counts(tiny_llama)
     kept = sum(m.weight.numel() for name, m in tiny_llama.hf.named_modules()
-               if name.endswith(LlamaForCausalLM.FLOAT_IN_INT8))
+               if name.endswith(CausalLM.FLOAT_IN_INT8))
     assert kept > head  # the down projections and the LM head stay float32
     assert p.weight_bytes == (body + head - kept) + 4 * kept
     assert measure(p, prompt_rows=8, repeats=1).flops_per_s > 0  # int8 projections run too
@@ -70,7 +70,7 @@ def test_int8_projections_count_one_byte_per_weight(tiny_llama: TinyModel,
 
 def test_models_with_experts_are_refused(tmp_path: Path) -> None:
     cfg = make_tiny_llama(tmp_path / "e").engine().config.model
-    moe = LlamaForCausalLM(type(cfg)(**{**cfg.__dict__, "num_experts": 2,
+    moe = CausalLM(type(cfg)(**{**cfg.__dict__, "num_experts": 2,
                                         "num_experts_per_tok": 1}))
     with pytest.raises(ValueError, match="experts"):
         Projections.of(moe)
@@ -78,7 +78,7 @@ def test_models_with_experts_are_refused(tmp_path: Path) -> None:
 
 def test_multi_rank_engines_are_refused(tmp_path: Path) -> None:
     cfg = make_tiny_llama(tmp_path / "e").engine().config.model
-    shard = LlamaForCausalLM(cfg, ParallelContext(ParallelLayout(tp=2)))
+    shard = CausalLM(cfg, ParallelContext(ParallelLayout(tp=2)))
     with pytest.raises(ValueError, match="2 ranks"):
         Projections.of(shard)
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from python_backends.config import RopeScaling
 from python_backends.models import kernels
-from python_backends.models.llama import RotaryEmbedding, apply_rotary
+from python_backends.models.decoder import RotaryEmbedding, apply_rotary
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from python_backends.engine.llm_engine import LLMEngine
 from python_backends.host_memory import HUGE_PAGE
 from python_backends.models import kernels
-from python_backends.models.llama import LlamaForCausalLM
+from python_backends.models.decoder import CausalLM
 from python_backends.parallel import layers
 from python_backends.parallel.layers import Linear, one_token_seconds, plain_reads_faster
 from python_backends.params import SamplingParams
@@ -87,11 +87,11 @@ def assert_greedy_matches_hf(engine: LLMEngine, tiny_llama: TinyModel,
 def test_an_engine_keeps_plain_weights_as_measured_and_matches_hf(
     tiny_llama: TinyModel, monkeypatch: pytest.MonkeyPatch, plain_wins: bool,
 ) -> None:
-    import python_backends.models.llama as llama
+    import python_backends.models.decoder as decoder
 
-    monkeypatch.setattr(llama, "plain_reads_faster", lambda _l: (plain_wins, 1.0, 1.0))
-    monkeypatch.setattr(llama.kernels, "native_linear", lambda: None)  # oneDNN's path
-    monkeypatch.setattr(llama.kernels, "layer_ops", lambda _x: None)  # and torch's glue
+    monkeypatch.setattr(decoder, "plain_reads_faster", lambda _l: (plain_wins, 1.0, 1.0))
+    monkeypatch.setattr(decoder.kernels, "native_linear", lambda: None)  # oneDNN's path
+    monkeypatch.setattr(decoder.kernels, "layer_ops", lambda _x: None)  # and torch's glue
     engine = tiny_llama.engine()
     model = engine.runner.model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
@@ -105,11 +105,11 @@ def test_keep_plain_can_be_forced_either_way_and_16_bit_engines_never_keep_it(
 ) -> None:
     cfg = tiny_llama.engine().config.model
     for keep in (True, False):
-        model = LlamaForCausalLM(cfg)
+        model = CausalLM(cfg)
         model.pack_linears(keep_plain=keep, native=False)
         assert model.one_token_plain is keep
     if layers.packable(torch.bfloat16):
-        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+        model = CausalLM(cfg).to(torch.bfloat16)
         model.pack_linears(keep_plain=True, native=True)  # no native kernel for 16-bit weights
         assert not model.one_token_plain and not model.native_linears
         assert all(m.plain is None for m in model.modules() if isinstance(m, Linear))
@@ -177,8 +177,24 @@ def test_pack_native_hands_rows_to_the_op_and_keeps_the_shape() -> None:
 
 
 def test_pack_native_refuses_what_the_kernel_cannot_compute() -> None:
-    biased = Linear(64, 96, bias=True)
     half = Linear(64, 96, bias=False).to(torch.bfloat16)
-    for m in (biased, half):
-        assert not m.pack_native(lambda w: w, fake_op)
-        assert m.native is None and m.weight.numel() == 64 * 96
+    assert not half.pack_native(lambda w: w, fake_op)
+    assert half.native is None and half.weight.numel() == 64 * 96
+
+
+def test_a_bias_is_added_on_every_path() -> None:
+    """Qwen2's q/k/v biases: the packed, plain, native and int8 products each add it."""
+    torch.manual_seed(0)
+    ref = Linear(64, 96, bias=True)
+    x = torch.randn(5, 64)
+    want = F.linear(x, ref.weight, ref.bias)
+    packed, plain, native = (Linear(64, 96, bias=True) for _ in range(3))
+    for m in (packed, plain, native):
+        m.load_state_dict(ref.state_dict())
+    with torch.inference_mode():
+        if packed.pack():
+            torch.testing.assert_close(packed(x), want, atol=1e-4, rtol=1e-4)
+        if plain.pack(keep_plain=True):
+            torch.testing.assert_close(plain(x[:1]), want[:1], atol=1e-4, rtol=1e-4)
+        assert native.pack_native(lambda w: w, fake_op)
+        torch.testing.assert_close(native(x), want, atol=1e-4, rtol=1e-4)

@@ -14,7 +14,7 @@ import torch
 from python_backends.config import EngineConfig, EngineLimits
 from python_backends.engine.llm_engine import LLMEngine
 from python_backends.engine.sampler import SampleResult
-from python_backends.models.llama import LlamaForCausalLM
+from python_backends.models.decoder import CausalLM
 from python_backends.parallel.context import ParallelContext
 from python_backends.parallel.placement import CPU, Placement, PlacementError, dist_backend
 from python_backends.params import SamplingParams
@@ -55,7 +55,7 @@ def test_backend_by_device() -> None:
 def test_step_creates_tensors_only_on_the_model_device(tiny_llama: TinyModel) -> None:
     config = EngineConfig.load(tiny_llama.engine_dir)
     with torch.device(META):
-        model = LlamaForCausalLM(config.model, ParallelContext(config.parallel, device=META))
+        model = CausalLM(config.model, ParallelContext(config.parallel, device=META))
     engine = LLMEngine(config, model, num_kv_blocks=32)
     assert engine.runner.kv_pool.device == META and engine.device == META
     engine.scheduler.limits = EngineLimits(max_seq_len=256, max_num_seqs=4,

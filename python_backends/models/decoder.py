@@ -1,9 +1,11 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral-without-sliding-window, and Mixtral's
-mixture-of-experts MLPs) over a paged cache.
+"""The decoder every family shares (python_backends/models/registry.py lists them): a
+pre-norm transformer over a paged cache, whose differences between families are fields of
+`ModelConfig` (biases on q/k/v, per-head q/k norms, partial and LongRoPE rotations, sliding-window
+attention, mixture-of-experts MLPs), set by each family's file from its checkpoint's config.
 
-Parameter names follow Hugging Face's `LlamaForCausalLM`, so engine weight files are plain
-state dicts. Numerics follow Hugging Face's float32 path (RMSNorm in float32, rotate-half RoPE)
-because greedy output must match it token for token.
+Parameter names follow Hugging Face's (`model.layers.N.self_attn.q_proj.weight`, ...), so engine
+weight files are plain state dicts. Numerics follow Hugging Face's float32 path (RMSNorm in
+float32, rotate-half RoPE) because greedy output must match it token for token.
 
 Parallelism lives in the layers (python_backends/parallel/layers.py): under tensor parallelism
 each rank holds H/tp query and K/tp KV heads (and their slice of the paged cache) and I/tp of the
@@ -11,7 +13,7 @@ MLP; under pipeline parallelism a stage holds a contiguous range of layers, the 
 embedding and the last the final norm and LM head. With one rank it is the plain model.
 
 Shapes: T tokens in the step, E hidden size, H/K query/KV heads (this rank's), D head size,
-V vocabulary.
+R rotated dimensions of a head (D unless the rotation is partial), V vocabulary.
 """
 
 from __future__ import annotations
@@ -73,11 +75,16 @@ class RMSNorm(nn.Module):
         return x, self(x)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
-    """Inverse frequencies [D/2], with the checkpoint's scaling applied."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+def rope_inv_freq(dims: int, theta: float, scaling: RopeScaling,
+                  factors: tuple[float, ...] = ()) -> torch.Tensor:
+    """Inverse frequencies [R/2] of `dims` rotated dimensions, with the checkpoint's scaling
+    (`factors`: LongRoPE's per-frequency divisors, its short or its long ones)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dims, 2, dtype=torch.int64).float() / dims))
     if scaling.rope_type == "linear":
         return inv_freq / scaling.factor
+    if scaling.rope_type == "longrope":
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32)
+                      * theta ** (torch.arange(0, dims, 2, dtype=torch.int64).float() / dims))
     if scaling.rope_type == "llama3":
         old_len = scaling.original_max_position_embeddings
         low_wavelen = old_len / scaling.low_freq_factor
@@ -93,33 +100,50 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Te
     return inv_freq
 
 
-class RotaryEmbedding(nn.Module):
-    """Precomputed cos/sin tables indexed by position (rotate-half convention)."""
+def rope_angles(dims: int, max_positions: int, theta: float,
+                scaling: RopeScaling) -> torch.Tensor:
+    """[P, R/2]: the angle of each position and frequency. LongRoPE rotates positions below the
+    pretraining length with its short factors and later ones with its long factors (as vLLM
+    does; Hugging Face switches every position of a sequence to the long factors once it grows
+    past that length, so the two agree on sequences within it)."""
+    positions = torch.arange(max_positions).float()[:, None]
+    if scaling.rope_type != "longrope":
+        return positions * rope_inv_freq(dims, theta, scaling)[None, :]
+    short = positions * rope_inv_freq(dims, theta, scaling, scaling.short_factor)[None, :]
+    long = positions * rope_inv_freq(dims, theta, scaling, scaling.long_factor)[None, :]
+    return torch.where(positions < scaling.original_max_position_embeddings, short, long)
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling):
+
+class RotaryEmbedding(nn.Module):
+    """Precomputed cos/sin tables indexed by position (rotate-half convention), LongRoPE's
+    attention factor folded in."""
+
+    def __init__(self, dims: int, max_positions: int, theta: float, scaling: RopeScaling):
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
-        freqs = torch.arange(max_positions).float()[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
+        freqs = rope_angles(dims, max_positions, theta, scaling)
+        emb = torch.cat((freqs, freqs), dim=-1)  # [P, R]
         self.cos: torch.Tensor
         self.sin: torch.Tensor
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer("cos", emb.cos() * scaling.attention_scale, persistent=False)
+        self.register_buffer("sin", emb.sin() * scaling.attention_scale, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotary:
         """The step's tables, looked up once and shared by every layer."""
-        cos = self.cos.index_select(0, positions).unsqueeze(1).to(dtype)  # [T, 1, D]
+        cos = self.cos.index_select(0, positions).unsqueeze(1).to(dtype)  # [T, 1, R]
         sin = self.sin.index_select(0, positions).unsqueeze(1).to(dtype)
         return cos, sin
 
 
-Rotary = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [T, 1, D]
+Rotary = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [T, 1, R]
 
 
 def apply_rotary(x: torch.Tensor, rotary: Rotary) -> torch.Tensor:
-    """x: [T, heads, D]."""
+    """x: [T, heads, D]; a partial rotation (R < D) turns the first R dimensions only."""
     cos, sin = rotary
-    half = x.shape[-1] // 2
+    dims = cos.shape[-1]
+    if dims < x.shape[-1]:
+        return torch.cat((apply_rotary(x[..., :dims], rotary), x[..., dims:]), dim=-1)
+    half = dims // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
 
@@ -134,17 +158,28 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * cfg.head_dim
         # q, k and v projections packed into one matrix (see loader.PACKED_MODULES).
         self.qkv_proj = ColumnParallelLinear(
-            cfg.hidden_size, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, ctx)
+            cfg.hidden_size, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, ctx,
+            bias=cfg.qkv_bias)
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, ctx)
+        # Qwen3: each head's query and key normalized before the rotation.
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim**-0.5
+        self.window = cfg.sliding_window  # keys a query sees, itself included (0: all)
         # [2, S, K, D]; bound by the model runner once the pool is allocated.
         self.kv_cache = torch.empty(0)
 
     def forward(self, x: torch.Tensor, rotary: Rotary, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            qkv = torch.cat((self.q_norm(q.reshape(-1, self.head_dim)).view(t, -1),
+                             self.k_norm(k.reshape(-1, self.head_dim)).view(t, -1), v), dim=-1)
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
-        if (ops := kernels.layer_ops(qkv)) is not None and self.kv_cache.is_contiguous():
+        full_turn = rotary[0].shape[-1] == self.head_dim
+        if ((ops := kernels.layer_ops(qkv)) is not None and full_turn
+                and self.kv_cache.is_contiguous()):
             q, k = ops.rope_write_kv(qkv, *rotary, self.kv_cache, meta.slot_mapping,
                                      self.num_heads, self.num_kv_heads)
         else:
@@ -152,6 +187,8 @@ class Attention(nn.Module):
             q = apply_rotary(q.view(t, self.num_heads, self.head_dim), rotary)  # [T, H, D]
             k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), rotary)  # [T, K, D]
             write_kv(self.kv_cache, k, v, meta.slot_mapping)
+        if self.window:
+            meta = meta.windowed or meta
         o = paged_attention(q, k, v, self.kv_cache, meta, self.scale)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
@@ -188,7 +225,12 @@ class DecoderLayer(nn.Module):
         return x, self.mlp(h)
 
 
-class LlamaModel(nn.Module):
+def rotary_embedding(cfg: ModelConfig) -> RotaryEmbedding:
+    return RotaryEmbedding(cfg.rotary_dim or cfg.head_dim, cfg.max_position_embeddings,
+                           cfg.rope_theta, cfg.rope_scaling)
+
+
+class DecoderModel(nn.Module):
     """This stage's layers (numbered from 0 within the stage), with the embedding on the first
     stage and the final norm on the last."""
 
@@ -200,9 +242,7 @@ class LlamaModel(nn.Module):
         num_layers = len(ctx.layout.stage_layers(cfg.num_layers, ctx.pp_rank))
         self.layers = nn.ModuleList(DecoderLayer(cfg, ctx) for _ in range(num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if ctx.is_last_stage else None
-        self.rotary_emb = RotaryEmbedding(
-            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
-        )
+        self.rotary_emb = rotary_embedding(cfg)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """x: token ids [T] on the first stage, else the previous stage's hidden states [T, E]."""
@@ -217,13 +257,13 @@ class LlamaModel(nn.Module):
         return x if delta is None else x + delta
 
 
-class LlamaForCausalLM(nn.Module):
+class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext | None = None) -> None:
         super().__init__()
         ctx = ctx or ParallelContext()
         self.config = cfg
         self.ctx = ctx
-        self.model = LlamaModel(cfg, ctx)
+        self.model = DecoderModel(cfg, ctx)
         self.lm_head = (ParallelLMHead(cfg.hidden_size, cfg.vocab_size, ctx)
                         if ctx.is_last_stage else None)
         if cfg.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens:

@@ -1,0 +1,1 @@
+"""One module per model family, each declaring `FAMILY` (models.family.Family)."""

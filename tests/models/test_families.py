@@ -1,0 +1,230 @@
+"""Every model family (models/registry.py) equals Hugging Face's greedy output token for token on
+a small random-weight checkpoint built here from transformers' config class: through the engine
+with chunked prefill, prefix caching, preemption and speculative drafts, and split over ranks
+(TP2 and PP2 for dense families, EP2 for mixture-of-experts ones).
+
+Random norms and biases (transformers initializes them to ones and zeros) so that a family's
+norm or bias that the engine dropped or misplaced changes the output."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from python_backends.config import EngineConfig, EngineConfigError, EngineLimits, ParallelLayout
+from python_backends.engine.builder import model_config_from_hf, write_engine
+from python_backends.engine.engine_loop import build_off_thread
+from python_backends.engine.llm_engine import LLMEngine
+from python_backends.engine.speculative import SpeculationConfig
+from python_backends.models import registry
+from python_backends.params import SamplingParams
+from tests.conftest import TinyModel
+from tests.engine.test_llm_engine import run_all
+from tests.engine.test_speculative import events_until_done, with_oracle
+
+VOCAB = 250
+WINDOW = 16  # the sliding-window families' window: shorter than the long prompt
+# Small blocks and a small step budget: a 40-token prompt spans 10 blocks and is computed in
+# chunks of at most 24 tokens.
+LIMITS = EngineLimits(max_seq_len=128, max_num_seqs=8, max_num_batched_tokens=24, block_size=4)
+SHAPE: dict[str, Any] = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+    initializer_range=0.3, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1,
+    eos_token_id=None)  # no end token: every run computes its 32 tokens, as HF's reference does
+LONG_ROPE: dict[str, Any] = dict(
+    rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=256,
+    short_factor=[1.0 + 0.2 * i for i in range(6)], long_factor=[2.0 + 0.5 * i for i in range(6)])
+
+
+# Config fields transformers' config classes take without declaring them.
+HEAD_16: dict[str, Any] = dict(head_dim=16)  # Qwen3's head size, not hidden / heads
+PARTIAL: dict[str, Any] = dict(partial_rotary_factor=0.75)
+
+
+def _configs() -> dict[str, Callable[[], Any]]:
+    import transformers as t
+
+    return {
+        "llama": lambda: t.LlamaConfig(**SHAPE),
+        "mistral": lambda: t.MistralConfig(**SHAPE, sliding_window=WINDOW),
+        "mixtral": lambda: t.MixtralConfig(**SHAPE, num_local_experts=4, num_experts_per_tok=2,
+                                           sliding_window=WINDOW),
+        "qwen2": lambda: t.Qwen2Config(**SHAPE),
+        "qwen3": lambda: t.Qwen3Config(**SHAPE, **HEAD_16),
+        "qwen3_moe": lambda: t.Qwen3MoeConfig(**SHAPE, **HEAD_16, num_experts=8,
+                                              num_experts_per_tok=2, moe_intermediate_size=32,
+                                              norm_topk_prob=True),
+        "qwen3_moe-unnormalized": lambda: t.Qwen3MoeConfig(
+            **SHAPE, **HEAD_16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+            norm_topk_prob=False),
+        # Phi-4-mini's shape in small: 3/4 of each head rotated, LongRoPE (sequences here stay
+        # within its pretraining length, where its short factors apply).
+        "phi3": lambda: t.Phi3Config(**SHAPE, **PARTIAL, original_max_position_embeddings=256,
+                                     rope_parameters=dict(LONG_ROPE, partial_rotary_factor=0.75)),
+    }
+
+
+FAMILIES = list(_configs())
+MOE = {"mixtral", "qwen3_moe", "qwen3_moe-unnormalized"}
+
+
+def make_family(name: str, out_dir: Path, parallel: ParallelLayout | None = None,
+                seed: int = 5) -> TinyModel:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    hf = AutoModelForCausalLM.from_config(_configs()[name]()).eval()
+    with torch.no_grad():
+        for pname, p in hf.named_parameters():
+            if "norm" in pname:
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+            elif pname.endswith(".bias"):
+                p.copy_(0.5 * torch.randn_like(p))
+    write_engine(hf, None, out_dir, LIMITS, "float32", "random", log=lambda _m: None,
+                 parallel=parallel)
+    return TinyModel(out_dir, hf)
+
+
+def batch() -> list[list[int]]:
+    """Four short prompts and one of 40 tokens (10 blocks, over twice the window)."""
+    g = torch.Generator().manual_seed(7)
+    lengths = [5, 9, 13, 17, 40]
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+N_TOKENS = 32
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+           ) -> tuple[str, TinyModel, list[list[int]]]:
+    name = request.param
+    model = make_family(name, tmp_path_factory.mktemp(name) / "engine")
+    want = [model.greedy(p, N_TOKENS) for p in batch()]
+    return name, model, want
+
+
+def test_engine_matches_hf_with_chunks_and_a_prefix_cache(
+        family: tuple[str, TinyModel, list[list[int]]]) -> None:
+    """Twice through one engine: the second time every prompt's full blocks come from the
+    prefix cache."""
+    _name, model, want = family
+    engine = model.engine()
+    try:
+        assert run_all(engine, batch(), N_TOKENS) == want
+        hits = engine.stats().prefix_cache_hits
+        assert run_all(engine, batch(), N_TOKENS) == want
+        assert engine.stats().prefix_cache_hits > hits
+    finally:
+        engine.close()
+
+
+def test_preempted_sequences_resume_equal_to_hf(
+        family: tuple[str, TinyModel, list[list[int]]]) -> None:
+    """A pool too small for the batch: sequences are preempted and recomputed."""
+    _name, model, want = family
+    engine = model.engine(num_kv_blocks=24, enable_prefix_caching=False)
+    try:
+        assert run_all(engine, batch(), N_TOKENS) == want
+        assert engine.stats().num_preemptions > 0
+    finally:
+        engine.close()
+
+
+def test_speculative_drafts_keep_hf_output(
+        family: tuple[str, TinyModel, list[list[int]]]) -> None:
+    """Drafts (right ones and a wrong one per sequence) checked in one step each."""
+    _name, model, want = family
+    engine = model.engine(speculation=SpeculationConfig(4))
+    try:
+        for i, p in enumerate(batch()):
+            with_oracle(engine, str(i), p, SamplingParams(max_tokens=N_TOKENS), want[i],
+                        wrong=i + 1)
+        got: dict[str, list[int]] = {str(i): [] for i in range(len(want))}
+        for ev in events_until_done(engine)[0]:
+            got[ev.seq_id].append(ev.token_id)
+        assert [got[str(i)] for i in range(len(want))] == want
+        assert engine.stats().draft_tokens_accepted > 0
+    finally:
+        engine.close()
+
+
+def layouts(name: str) -> list[ParallelLayout]:
+    return [ParallelLayout(ep=2)] if name in MOE else [ParallelLayout(tp=2),
+                                                       ParallelLayout(pp=2)]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_split_over_ranks_matches_hf(tmp_path: Path, name: str) -> None:
+    """TP2 and PP2 (EP2 for mixture-of-experts families): real gloo ranks, one process each."""
+    for i, layout in enumerate(layouts(name)):
+        model = make_family(name, tmp_path / f"e{i}", parallel=layout)
+        engine = build_off_thread(partial(model.engine))
+        try:
+            assert run_all(engine, batch(), 12) == [model.greedy(p, 12) for p in batch()]
+        finally:
+            engine.close()
+
+
+def test_every_family_is_registered_by_model_type() -> None:
+    types = {c().model_type for c in _configs().values()}
+    assert types <= set(registry.SUPPORTED_MODEL_TYPES)
+    assert {f.name for f in registry.FAMILIES} >= {"Llama", "Qwen2 / Qwen2.5", "Qwen3",
+                                                   "Qwen3-MoE", "Mistral", "Mixtral",
+                                                   "Phi-3 / Phi-4-mini"}
+
+
+def test_an_unsupported_model_type_is_refused_naming_the_supported(tmp_path: Path) -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    hf = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64))
+    with pytest.raises(EngineConfigError, match=r"model_type 'gpt2' is not supported "
+                                                r"\(supported: .*llama.*qwen3_moe"):
+        write_engine(hf, None, tmp_path / "e", LIMITS, "float32", "x", log=lambda _m: None)
+    assert not (tmp_path / "e").exists()
+
+
+def test_what_a_family_does_not_compute_is_refused_by_name() -> None:
+    import transformers as t
+
+    with pytest.raises(EngineConfigError, match="qwen2 checkpoint: use_sliding_window"):
+        model_config_from_hf(t.Qwen2Config(**SHAPE, use_sliding_window=True))
+    with pytest.raises(EngineConfigError, match="qwen3_moe checkpoint: dense MLP layers"):
+        model_config_from_hf(t.Qwen3MoeConfig(**SHAPE, mlp_only_layers=[1]))
+    with pytest.raises(EngineConfigError, match="llama checkpoint: attention or MLP biases"):
+        model_config_from_hf(t.LlamaConfig(**SHAPE, attention_bias=True))
+    with pytest.raises(EngineConfigError, match="llama checkpoint: activation 'gelu'"):
+        model_config_from_hf(t.LlamaConfig(**SHAPE, hidden_act="gelu"))
+
+
+def test_an_engine_of_an_unknown_family_is_refused_at_load(tmp_path: Path) -> None:
+    import dataclasses
+    import json
+
+    model = make_family("llama", tmp_path / "e")
+    config = json.loads((tmp_path / "e" / "config.json").read_text())
+    config["architecture"] = "gpt2"
+    (tmp_path / "e" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(EngineConfigError, match="model_type 'gpt2' is not supported"):
+        LLMEngine.from_engine_dir(model.engine_dir, num_kv_blocks=8)
+    assert dataclasses.is_dataclass(EngineConfig.load(tmp_path / "e"))
+
+
+def test_family_configs_carry_what_makes_them_differ() -> None:
+    cfgs = {name: model_config_from_hf(make()) for name, make in _configs().items()}
+    assert cfgs["qwen2"].qkv_bias and not cfgs["llama"].qkv_bias
+    assert cfgs["qwen3"].qk_norm and cfgs["qwen3"].head_dim == 16
+    assert cfgs["mistral"].sliding_window == WINDOW and cfgs["llama"].sliding_window == 0
+    assert cfgs["qwen3_moe"].intermediate_size == 32 and cfgs["qwen3_moe"].num_experts == 8
+    assert not cfgs["qwen3_moe-unnormalized"].norm_topk_prob and cfgs["mixtral"].norm_topk_prob
+    phi = cfgs["phi3"]
+    assert phi.rotary_dim == 12 and phi.rope_scaling.rope_type == "longrope"
+    assert phi.rope_scaling.short_factor[:2] == (1.0, 1.2)
+    assert phi.rope_scaling.attention_factor == pytest.approx(
+        (1 + torch.log(torch.tensor(2.0)).item() / torch.log(torch.tensor(256.0)).item()) ** 0.5)
