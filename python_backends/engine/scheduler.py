@@ -20,9 +20,10 @@ from python_backends.config import EngineLimits
 from python_backends.engine.block_manager import BlockManager
 from python_backends.engine.prefix_cache import PrefixCache
 from python_backends.engine.sampler import SampleResult
-from python_backends.engine.sequence import Sequence, SequenceStatus
+from python_backends.engine.sequence import RELEASED, Sequence, SequenceStatus
 from python_backends.engine.speculative import NgramIndex, SpeculationConfig
 from python_backends.engine.waiting_queue import FcfsQueue, WaitingQueue
+from python_backends.models.attention import window_start
 from python_backends.params import FinishReason
 
 
@@ -64,11 +65,14 @@ class Scheduler:
     def __init__(
         self, limits: EngineLimits, blocks: BlockManager, enable_chunked_prefill: bool = True,
         waiting: WaitingQueue | None = None, prefix: PrefixCache | None = None,
-        speculation: SpeculationConfig | None = None,
+        speculation: SpeculationConfig | None = None, window: int = 0,
     ) -> None:
         """`prefix`: the prefix cache over `blocks` (default: one that is off). `speculation`:
-        drafts for greedy decoding sequences (default: off; see engine.speculative)."""
+        drafts for greedy decoding sequences (default: off; see engine.speculative). `window`:
+        the model's sliding window where every layer has it (0: none): a running sequence
+        releases its blocks that no later query can see, so it holds about a window's worth."""
         self.limits = limits
+        self.window = window
         self.speculation = speculation or SpeculationConfig()
         self.num_draft_tokens = 0  # since start: speculative tokens computed
         self.num_accepted_tokens = 0  # since start: of those, kept (confirmed by the model)
@@ -221,6 +225,7 @@ class Scheduler:
                 drawn, reason = self._append(seq, item.draft, result, i)
                 i += 1 + len(item.draft)
             self.prefix.cache_computed(seq)
+            self._release_behind_window(seq)
             if not samples:
                 continue
             sampled.append((seq, drawn))
@@ -263,17 +268,36 @@ class Scheduler:
         total = self.blocks.blocks_for(seq.num_computed_tokens + num_new_tokens)
         return max(0, total - len(seq.block_table))
 
+    def _release_behind_window(self, seq: Sequence) -> None:
+        """Release the leading blocks wholly before the window of the sequence's next query
+        (every later query's window starts later still). They were cached as they filled, so
+        they stay findable for another sequence's prefix until evicted. Not for a prefill
+        instance's sequence: its blocks are handed to a decode instance whole."""
+        if not self.window or seq.prefill_only:
+            return
+        first_seen = window_start(seq.num_computed_tokens, self.window)
+        behind = min(first_seen // self.blocks.block_size, len(seq.block_table))
+        if behind <= seq.num_released_blocks:
+            return
+        # Last block first: the earliest, the one a shared prefix needs most, is evicted last.
+        self.blocks.release(seq.block_table[seq.num_released_blocks:behind][::-1])
+        seq.block_table[seq.num_released_blocks:behind] = [RELEASED] * (
+            behind - seq.num_released_blocks)
+        seq.num_released_blocks = behind
+
     def _preempt(self, seq: Sequence) -> None:
         # Last block first: the prefix is evicted last, so the sequence's return hits it.
-        self.blocks.release(seq.block_table[::-1])
+        self.blocks.release(seq.held_blocks()[::-1])
         seq.block_table = []
+        seq.num_released_blocks = 0
         seq.num_computed_tokens = 0
         seq.num_cached_blocks = 0
         seq.status = SequenceStatus.WAITING
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
-        self.blocks.release(seq.block_table[::-1])
+        self.blocks.release(seq.held_blocks()[::-1])
         seq.block_table = []
+        seq.num_released_blocks = 0
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 

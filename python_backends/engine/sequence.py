@@ -17,6 +17,8 @@ from python_backends.engine.speculative import NgramIndex
 from python_backends.params import FinishReason, SamplingParams
 from python_backends.prefix_hash import BlockHash, block_hash
 
+RELEASED = -1  # a block_table entry whose block was released behind a sliding window
+
 
 class SequenceStatus(enum.Enum):
     WAITING = enum.auto()
@@ -38,7 +40,10 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # The KV block of each block of positions. Under a sliding window the leading ones no query
+    # can see any more are released (Scheduler._release_behind_window) and read RELEASED.
     block_table: list[int] = field(default_factory=list)
+    num_released_blocks: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     generator: torch.Generator | None = None
@@ -68,6 +73,10 @@ class Sequence:
         self.first_token_time = time.monotonic()
         if self.params.return_log_probs:
             self.output_logprobs.extend(logprobs)
+
+    def held_blocks(self) -> list[int]:
+        """The blocks it holds: its block table less those released behind a window."""
+        return self.block_table[self.num_released_blocks:]
 
     @property
     def holds_kv(self) -> bool:

@@ -66,9 +66,6 @@ class AttentionMetadata:
     # Every sampled row wants only its greedy token (no log-probabilities, penalties or bans):
     # the model may return the argmax instead of the logits (models.greedy_head).
     argmax_only: bool = False
-    # The same step as layers with a sliding window see it: each query's context cut to its
-    # window (window_context); None where the model has no window.
-    windowed: AttentionMetadata | None = None
 
     @classmethod
     def one_prompt(cls, n: int) -> AttentionMetadata:
@@ -89,7 +86,6 @@ class AttentionMetadata:
             decode=self.decode.to(device) if self.decode is not None else None,
             logits_index=_to(self.logits_index, device),
             argmax_only=self.argmax_only,
-            windowed=self.windowed.to(device) if self.windowed is not None else None,
         )
 
 

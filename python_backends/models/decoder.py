@@ -165,7 +165,6 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim**-0.5
-        self.window = cfg.sliding_window  # keys a query sees, itself included (0: all)
         # [2, S, K, D]; bound by the model runner once the pool is allocated.
         self.kv_cache = torch.empty(0)
 
@@ -187,8 +186,6 @@ class Attention(nn.Module):
             q = apply_rotary(q.view(t, self.num_heads, self.head_dim), rotary)  # [T, H, D]
             k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), rotary)  # [T, K, D]
             write_kv(self.kv_cache, k, v, meta.slot_mapping)
-        if self.window:
-            meta = meta.windowed or meta
         o = paged_attention(q, k, v, self.kv_cache, meta, self.scale)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 

@@ -228,3 +228,30 @@ def test_family_configs_carry_what_makes_them_differ() -> None:
     assert phi.rope_scaling.short_factor[:2] == (1.0, 1.2)
     assert phi.rope_scaling.attention_factor == pytest.approx(
         (1 + torch.log(torch.tensor(2.0)).item() / torch.log(torch.tensor(256.0)).item()) ** 0.5)
+
+
+@pytest.mark.parametrize("name", ["mistral", "mixtral"])
+def test_a_windowed_sequence_holds_only_its_windows_blocks(tmp_path: Path, name: str) -> None:
+    """A sequence 4x the window long: the blocks behind every later query's window are
+    released as it runs (the pool's count reads it), and the output stays HF's."""
+    model = make_family(name, tmp_path / "e")
+    block_size = LIMITS.block_size
+    # The window's keys span at most WINDOW / block_size + 1 blocks; one more is being filled.
+    bound = WINDOW // block_size + 2
+    prompt = batch()[4]  # 40 tokens, computed in chunks of up to 24
+    n = 4 * WINDOW - len(prompt)
+    engine = model.engine()
+    try:
+        seq = engine.add_request("long", prompt, SamplingParams(max_tokens=n))
+        most, used = 0, []
+        while engine.has_unfinished:
+            engine.step()
+            used.append(engine.blocks.num_used)
+            if not seq.is_finished:
+                most = max(most, len(seq.held_blocks()))
+        assert seq.output_ids == model.greedy(prompt, n)
+        assert 0 < most <= bound, used
+        assert max(used) <= bound + LIMITS.max_num_batched_tokens // block_size
+        assert used[-1] == 0  # the finished sequence released the rest
+    finally:
+        engine.close()
