@@ -54,6 +54,7 @@ class EngineConfigError(ValueError):
 
 
 ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 
 
 @dataclass(frozen=True)
@@ -118,10 +119,30 @@ class ModelConfig:
     qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2)
     qk_norm: bool = False  # an RMSNorm over each head of q and k before the rotation (Qwen3)
     rotary_dim: int = 0  # dimensions of a head the rotation turns (0: all; Phi-4-mini: 3/4)
-    # Keys a query attends to, itself included, in every layer (Mistral); 0: the whole context.
+    # Keys a query attends to, itself included (Mistral, Gemma); 0: the whole context.
     sliding_window: int = 0
+    # Layers that see the whole context all the same (Gemma's full-attention layers).
+    global_layers: tuple[int, ...] = ()
+    local_rope_theta: float = 0.0  # Gemma 3: the rotation base of windowed layers (0: the same)
+    attention_scale: float = 0.0  # query scaling (0: head_dim ** -0.5)
+    attn_logit_softcap: float = 0.0  # Gemma 2: attention scores s -> cap * tanh(s / cap)
+    final_logit_softcap: float = 0.0  # Gemma 2: the logits likewise
+    embedding_multiplier: float = 1.0  # Gemma: embeddings scaled by sqrt(hidden_size)
+    hidden_act: str = "silu"  # the MLP gate's: HIDDEN_ACTS (SwiGLU, or Gemma's GeGLU)
+    # Gemma 2/3: a norm after attention and after the MLP too (pre_feedforward_layernorm,
+    # post_feedforward_layernorm; post_attention_layernorm then normalizes attention's output).
+    sandwich_norms: bool = False
+
+    @property
+    def window_everywhere(self) -> int:
+        """The window where every layer has it (what lets a sequence release blocks behind
+        it), else 0."""
+        return 0 if self.global_layers else self.sliding_window
 
     def __post_init__(self) -> None:
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise EngineConfigError(f"activation {self.hidden_act!r} is not supported "
+                                    f"(supported: {', '.join(HIDDEN_ACTS)})")
         if self.rotary_dim % 2 or not 0 <= self.rotary_dim <= self.head_dim:
             raise EngineConfigError(f"rotary_dim ({self.rotary_dim}) must be even and at most "
                                     f"the head size ({self.head_dim})")
@@ -141,6 +162,7 @@ class ModelConfig:
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
         d = dict(d)
         d["rope_scaling"] = RopeScaling.from_dict(d.get("rope_scaling", {}))
+        d["global_layers"] = tuple(d.get("global_layers", ()))
         return cls(**d)
 
 

@@ -116,7 +116,7 @@ class LLMEngine:
                                    self.tier.write if self.tier is not None else None)
         self.prefix = PrefixCache(self.blocks, enable_prefix_caching, self.tier)
         self.scheduler = Scheduler(config.limits, self.blocks, enable_chunked_prefill, waiting,
-                                   self.prefix, speculation, config.model.sliding_window)
+                                   self.prefix, speculation, config.model.window_everywhere)
         self.handoff = KVHandoff(whole, self.runner, self.blocks, self.scheduler, kv_pool)
         self.busy_seconds = 0.0
         self.step_seconds = dict.fromkeys(STEP_PHASES, 0.0)

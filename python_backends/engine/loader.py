@@ -11,7 +11,7 @@ from python_backends.config import SUPPORTED_DTYPES, EngineConfig, EngineConfigE
 from python_backends.host_memory import trim_heap
 from python_backends.kv_transfer.layout import KVLayout
 from python_backends.models import registry
-from python_backends.models.decoder import CausalLM, rotary_embedding
+from python_backends.models.decoder import CausalLM
 from python_backends.parallel.context import ParallelContext
 
 DTYPES = {name: getattr(torch, name) for name in SUPPORTED_DTYPES}
@@ -60,7 +60,7 @@ def load_model(
     if tied and model.lm_head is not None and model.model.embed_tokens is not None:
         model.lm_head.weight = model.model.embed_tokens.weight
     # The rotary tables are buffers computed from the config, not weights: rebuild them for real.
-    model.model.rotary_emb = rotary_embedding(config.model)
+    model.model.reset_rotary(config.model)
     model = model.to(device=ctx.device, dtype=dtype).eval()
     if config.weights == "int8":
         if ctx.device.type != "cpu":

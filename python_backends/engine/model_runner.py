@@ -3,6 +3,7 @@ model."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence as Seq
 from typing import Protocol
@@ -66,7 +67,9 @@ class ModelRunner:
         self.block_size = block_size
         # Every layer's sliding window (0: none): each query's context is cut to it, so the
         # blocks a sequence released behind it (Scheduler._release_behind_window) are not read.
-        self.window = model.config.sliding_window
+        self.window = model.config.window_everywhere
+        # Where only some layers have one (Gemma), theirs: each step gets a windowed view too.
+        self.layer_window = 0 if self.window else model.config.sliding_window
         self.kv_pool = kv_pool
         self.prepare_seconds = 0.0  # since start: packing steps' inputs (LLMEngine.step_seconds)
         self.kv_caches = list(kv_pool.unbind(0))  # one [2, S, K, D] view per layer
@@ -122,17 +125,22 @@ class ModelRunner:
         meta = AttentionMetadata(
             positions=torch.cat(positions),
             slot_mapping=torch.cat(slot_mapping),
-            prefills=tuple(self._prefill_span(*p) for p in prompts),
-            decode=self._decode_batch(decode_index, decodes),
+            prefills=tuple(self._prefill_span(*p, self.window) for p in prompts),
+            decode=self._decode_batch(decode_index, decodes, self.window),
             logits_index=torch.tensor(logits_index, dtype=torch.long),
             argmax_only=bool(sampling) and all(argmax_only(s.params) for s in sampling),
         )
+        if window := self.layer_window:
+            meta = dataclasses.replace(meta, windowed=dataclasses.replace(
+                meta, prefills=tuple(self._prefill_span(*p, window) for p in prompts),
+                decode=self._decode_batch(decode_index, decodes, window)))
         return torch.tensor(input_ids, dtype=torch.long), meta, sampling
 
-    def _prefill_span(self, seq: Sequence, row: int, start: int, end: int) -> PrefillSpan:
+    def _prefill_span(self, seq: Sequence, row: int, start: int, end: int,
+                      window: int) -> PrefillSpan:
         """Rows [row, row + end - start) computing positions [start, end) of `seq`, over its
-        whole context, or over each query's window where the model has one."""
-        n, window = end - start, self.window
+        whole context, or over each query's `window` where it is not 0."""
+        n = end - start
         if window and end > window:
             first = window_start(start, window)
             return PrefillSpan(row, row + n, end - first, self._slots(seq, first, end),
@@ -141,13 +149,12 @@ class ModelRunner:
             return PrefillSpan(row, row + n, end, self._slots(seq, 0, end), causal_mask(n, end))
         return PrefillSpan(row, row + n, end, torch.empty(0, dtype=torch.long))
 
-    def _decode_batch(self, rows: list[int],
-                      decodes: list[tuple[Sequence, int]]) -> DecodeBatch | None:
+    def _decode_batch(self, rows: list[int], decodes: list[tuple[Sequence, int]],
+                      window: int) -> DecodeBatch | None:
         """One query per row over its sequence's first `n_ctx` tokens, or the last of them in
-        its window where the model has one."""
+        its `window` where it is not 0."""
         if not decodes:
             return None
-        window = self.window
         firsts = [window_start(n_ctx - 1, window) if window else 0 for _, n_ctx in decodes]
         lens = [n_ctx - first for (_, n_ctx), first in zip(decodes, firsts, strict=True)]
         slots = torch.zeros(len(decodes), max(lens), dtype=torch.long)

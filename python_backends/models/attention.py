@@ -66,6 +66,9 @@ class AttentionMetadata:
     # Every sampled row wants only its greedy token (no log-probabilities, penalties or bans):
     # the model may return the argmax instead of the logits (models.greedy_head).
     argmax_only: bool = False
+    # Where only some layers have a sliding window (Gemma), the same step as those see it:
+    # each query's context cut to its window. None where every layer or none has one.
+    windowed: AttentionMetadata | None = None
 
     @classmethod
     def one_prompt(cls, n: int) -> AttentionMetadata:
@@ -86,6 +89,7 @@ class AttentionMetadata:
             decode=self.decode.to(device) if self.decode is not None else None,
             logits_index=_to(self.logits_index, device),
             argmax_only=self.argmax_only,
+            windowed=self.windowed.to(device) if self.windowed is not None else None,
         )
 
 
@@ -128,14 +132,15 @@ def write_kv(
 
 def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
-    meta: AttentionMetadata, scale: float,
+    meta: AttentionMetadata, scale: float, softcap: float = 0.0,
 ) -> torch.Tensor:
-    """Causal attention of the step's queries over each sequence's cached context.
+    """Causal attention of the step's queries over each sequence's cached context; `softcap`
+    (Gemma 2): scores s become softcap * tanh(s / softcap) before the softmax.
 
     q: [T, H, D]; k, v: [T, K, D] (already written to `cache`). Returns [T, H, D].
     """
     if meta.decode is not None and not meta.prefills:  # every token a decode, in step order
-        return decode_attention(q, cache, meta.decode, scale)
+        return decode_attention(q, cache, meta.decode, scale, softcap)
     out = torch.empty_like(q)
     for span in meta.prefills:
         # [1, H, n, D]: batched 4-D operands take torch's flash kernel on the CPU, which is
@@ -144,33 +149,33 @@ def paged_attention(
         if span.mask is None:  # nothing cached before: use this step's K/V directly
             ks = k[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, K, n, D]
             vs = v[span.start : span.end].transpose(0, 1).unsqueeze(0)
-            o = _sdpa(qs, ks, vs, None, scale, causal=True)
+            o = _sdpa(qs, ks, vs, None, scale, softcap, causal=True)
         else:
             ks = cache[0].index_select(0, span.context_slots).transpose(0, 1).unsqueeze(0)
             vs = cache[1].index_select(0, span.context_slots).transpose(0, 1).unsqueeze(0)
-            o = _sdpa(qs, ks, vs, span.mask, scale)
+            o = _sdpa(qs, ks, vs, span.mask, scale, softcap)
         out[span.start : span.end] = o[0].transpose(0, 1)
     if meta.decode is not None:
         d = meta.decode
-        out[d.token_index] = decode_attention(q[d.token_index], cache, d, scale)
+        out[d.token_index] = decode_attention(q[d.token_index], cache, d, scale, softcap)
     return out
 
 
 def decode_attention(q: torch.Tensor, cache: torch.Tensor, d: DecodeBatch,
-                     scale: float) -> torch.Tensor:
+                     scale: float, softcap: float = 0.0) -> torch.Tensor:
     """One query token per decoding sequence over its cached context. q: [B, H, D] -> [B, H, D].
 
     On the CPU the native kernel reads each context in place (models/csrc/paged_attention.cpp);
     elsewhere, or without it, the contexts are gathered into a padded batch for torch's SDPA."""
-    if q.device.type == "cpu" and cache.is_contiguous():
+    if q.device.type == "cpu" and cache.is_contiguous() and not softcap:
         kernel = kernels.paged_decode_attention()
         if kernel is not None:
             return kernel(q.contiguous(), cache, d.slots, d.lens, scale)
-    return gathered_decode_attention(q, cache, d, scale)
+    return gathered_decode_attention(q, cache, d, scale, softcap)
 
 
 def gathered_decode_attention(q: torch.Tensor, cache: torch.Tensor, d: DecodeBatch,
-                              scale: float) -> torch.Tensor:
+                              scale: float, softcap: float = 0.0) -> torch.Tensor:
     """decode_attention in torch ops: the contexts copied into one padded batch, then SDPA."""
     b, longest = d.slots.shape
     kv_shape = (b, longest, *cache.shape[2:])
@@ -178,18 +183,36 @@ def gathered_decode_attention(q: torch.Tensor, cache: torch.Tensor, d: DecodeBat
     # index_select, not advanced indexing: ~5x faster gathers on CPU.
     kd = cache[0].index_select(0, flat).view(kv_shape).transpose(1, 2)  # [B, K, L, D]
     vd = cache[1].index_select(0, flat).view(kv_shape).transpose(1, 2)
-    return _sdpa(q.unsqueeze(2), kd, vd, d.mask, scale).squeeze(2)
+    return _sdpa(q.unsqueeze(2), kd, vd, d.mask, scale, softcap).squeeze(2)
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-          scale: float, causal: bool = False) -> torch.Tensor:
+          scale: float, softcap: float = 0.0, causal: bool = False) -> torch.Tensor:
     """Scaled dot-product attention (grouped KV heads). 16-bit floats on the CPU are computed in
     float32: torch's CPU kernel is many times slower in bfloat16 (docs/platform.md), and the
-    operands are small next to
-    the weights that 16-bit engines are for."""
+    operands are small next to the weights that 16-bit engines are for."""
+    if softcap:
+        return _softcapped(q, k, v, mask, scale, softcap, causal)
     if q.dtype in (torch.bfloat16, torch.float16) and q.device.type == "cpu":
         o = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
                                            is_causal=causal, scale=scale, enable_gqa=True)
         return o.to(q.dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                           scale=scale, enable_gqa=True)
+
+
+def _softcapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                scale: float, softcap: float, causal: bool) -> torch.Tensor:
+    """_sdpa with capped scores, written out (torch's kernels have no cap), as Hugging Face's
+    eager Gemma 2 computes it: q [B, H, n, D], k and v [B, K, L, D]."""
+    groups = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(groups, dim=1)
+    v = v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if causal:
+        mask = causal_mask(q.shape[2], k.shape[2]).to(q.device)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(weights, v)

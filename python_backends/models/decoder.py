@@ -149,7 +149,8 @@ def apply_rotary(x: torch.Tensor, rotary: Rotary) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, ctx: ParallelContext) -> None:
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, index: int = 0) -> None:
+        """`index`: the layer's, in the whole model (which layers are windowed)."""
         super().__init__()
         self.num_heads = shard_size(cfg.num_heads, ctx)
         self.num_kv_heads = shard_size(cfg.num_kv_heads, ctx)
@@ -164,7 +165,10 @@ class Attention(nn.Module):
         # Qwen3: each head's query and key normalized before the rotation.
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.attention_scale or cfg.head_dim**-0.5
+        self.softcap = cfg.attn_logit_softcap
+        # Where only some layers are windowed (Gemma), these read the step's windowed view.
+        self.windowed = bool(cfg.sliding_window) and index not in cfg.global_layers
         # [2, S, K, D]; bound by the model runner once the pool is allocated.
         self.kv_cache = torch.empty(0)
 
@@ -186,7 +190,9 @@ class Attention(nn.Module):
             q = apply_rotary(q.view(t, self.num_heads, self.head_dim), rotary)  # [T, H, D]
             k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), rotary)  # [T, K, D]
             write_kv(self.kv_cache, k, v, meta.slot_mapping)
-        o = paged_attention(q, k, v, self.kv_cache, meta, self.scale)
+        if self.windowed and meta.windowed is not None:
+            meta = meta.windowed
+        o = paged_attention(q, k, v, self.kv_cache, meta, self.scale, self.softcap)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
 
@@ -196,9 +202,13 @@ class MLP(nn.Module):
         # gate and up projections packed into one matrix (see loader.PACKED_MODULES).
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, 2 * cfg.intermediate_size, ctx)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, ctx)
+        self.silu = cfg.hidden_act == "silu"  # SwiGLU; else GeGLU (tanh-approximated GELU)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if not self.silu:
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
         if (ops := kernels.layer_ops(gate_up)) is not None and gate_up.dim() == 2:
             return self.down_proj(ops.silu_mul(gate_up.contiguous()))
         gate, up = gate_up.chunk(2, dim=-1)
@@ -206,11 +216,16 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, ctx: ParallelContext) -> None:
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, index: int = 0) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, ctx)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        eps = cfg.rms_norm_eps
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
+        self.self_attn = Attention(cfg, ctx, index)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
+        self.pre_feedforward_layernorm = (RMSNorm(cfg.hidden_size, eps) if cfg.sandwich_norms
+                                          else None)
+        self.post_feedforward_layernorm = (RMSNorm(cfg.hidden_size, eps) if cfg.sandwich_norms
+                                           else None)
         self.mlp = MoE(cfg, ctx) if cfg.num_experts else MLP(cfg, ctx)
 
     def forward(self, x: torch.Tensor, delta: torch.Tensor | None, rotary: Rotary,
@@ -218,37 +233,57 @@ class DecoderLayer(nn.Module):
         """x: the residual stream; delta: what the layer before adds to it (None: nothing).
         Returns the same pair for the next layer: each residual add joins the norm after it."""
         x, h = self.input_layernorm.add_norm(x, delta)
-        x, h = self.post_attention_layernorm.add_norm(x, self.self_attn(h, rotary, meta))
-        return x, self.mlp(h)
+        if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
+            x, h = self.post_attention_layernorm.add_norm(x, self.self_attn(h, rotary, meta))
+            return x, self.mlp(h)
+        attended = self.post_attention_layernorm(self.self_attn(h, rotary, meta))
+        x, h = self.pre_feedforward_layernorm.add_norm(x, attended)
+        return x, self.post_feedforward_layernorm(self.mlp(h))
 
 
-def rotary_embedding(cfg: ModelConfig) -> RotaryEmbedding:
-    return RotaryEmbedding(cfg.rotary_dim or cfg.head_dim, cfg.max_position_embeddings,
-                           cfg.rope_theta, cfg.rope_scaling)
+def rotary_embeddings(cfg: ModelConfig) -> tuple[RotaryEmbedding, RotaryEmbedding | None]:
+    """The rotation of every layer, and a second one for windowed layers where they turn on
+    another base (Gemma 3's local layers: `local_rope_theta`, unscaled)."""
+    dims = cfg.rotary_dim or cfg.head_dim
+    main = RotaryEmbedding(dims, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+    if not cfg.local_rope_theta:
+        return main, None
+    return main, RotaryEmbedding(dims, cfg.max_position_embeddings, cfg.local_rope_theta,
+                                 RopeScaling())
 
 
 class DecoderModel(nn.Module):
     """This stage's layers (numbered from 0 within the stage), with the embedding on the first
-    stage and the final norm on the last."""
+    stage and the final norm on the last. The rotary tables are computed, not loaded: the loader
+    builds them again after loading on the meta device (`reset_rotary`)."""
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext) -> None:
         super().__init__()
         self.ctx = ctx
         self.embed_tokens = (VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx)
                              if ctx.is_first_stage else None)
-        num_layers = len(ctx.layout.stage_layers(cfg.num_layers, ctx.pp_rank))
-        self.layers = nn.ModuleList(DecoderLayer(cfg, ctx) for _ in range(num_layers))
+        layers = ctx.layout.stage_layers(cfg.num_layers, ctx.pp_rank)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, ctx, i) for i in layers)
+        self.windowed = [bool(cfg.sliding_window) and i not in cfg.global_layers for i in layers]
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if ctx.is_last_stage else None
-        self.rotary_emb = rotary_embedding(cfg)
+        self.embedding_multiplier = cfg.embedding_multiplier
+        self.rotary_emb, self.local_rotary_emb = rotary_embeddings(cfg)
+
+    def reset_rotary(self, cfg: ModelConfig) -> None:
+        self.rotary_emb, self.local_rotary_emb = rotary_embeddings(cfg)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """x: token ids [T] on the first stage, else the previous stage's hidden states [T, E]."""
         if self.embed_tokens is not None:
             x = self.embed_tokens(x)  # [T, E]
+            if self.embedding_multiplier != 1.0:
+                x = x * torch.tensor(self.embedding_multiplier, dtype=x.dtype)
         rotary = self.rotary_emb(meta.positions, x.dtype)
+        local = (self.local_rotary_emb(meta.positions, x.dtype)
+                 if self.local_rotary_emb is not None else rotary)
         delta = None
-        for layer in self.layers:
-            x, delta = layer(x, delta, rotary, meta)
+        for layer, windowed in zip(self.layers, self.windowed, strict=True):
+            x, delta = layer(x, delta, local if windowed else rotary, meta)
         if self.norm is not None:
             return self.norm.add_norm(x, delta)[1]
         return x if delta is None else x + delta
@@ -278,7 +313,10 @@ class CausalLM(nn.Module):
             tokens = self.greedy_head.tokens(rows)
             if tokens is not None:
                 return tokens
-        return self.lm_head(rows).float()
+        logits = self.lm_head(rows).float()
+        if cap := self.config.final_logit_softcap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     # Projections that keep their float weights in an int8 engine: their inputs have outliers
     # that one int8 scale per call cannot hold (the MLP's down projection, after SiLU x up) or

@@ -38,10 +38,10 @@ def refuse(hf: Any, why: str) -> EngineConfigError:
     return EngineConfigError(f"{hf.model_type} checkpoint: {why}")
 
 
-def rope_scaling(hf: Any) -> tuple[float, RopeScaling]:
+def rope_scaling(hf: Any, params: dict[str, Any] | None = None) -> tuple[float, RopeScaling]:
     """(theta, scaling) from either form transformers gives: `rope_parameters` (v5) or the
-    older `rope_theta` and `rope_scaling`."""
-    rope = dict(getattr(hf, "rope_parameters", None) or {})
+    older `rope_theta` and `rope_scaling`; `params`: one layer type's (Gemma 3's)."""
+    rope = dict(params if params is not None else getattr(hf, "rope_parameters", None) or {})
     theta = rope.pop("rope_theta", getattr(hf, "rope_theta", 10000.0))
     legacy = getattr(hf, "rope_scaling", None) or {}
     rope = {**legacy, **rope}
@@ -87,8 +87,10 @@ def check_silu(hf: Any) -> None:
 def llama_shape(hf: Any, **switches: Any) -> ModelConfig:
     """The fields every Llama-shaped family has, plus the family's `switches` (ModelConfig's
     other fields)."""
-    check_silu(hf)
-    theta, scaling = rope_scaling(hf)
+    if "hidden_act" not in switches:
+        check_silu(hf)
+    if "rope_theta" not in switches:
+        switches["rope_theta"], switches["rope_scaling"] = rope_scaling(hf)
     return ModelConfig(
         vocab_size=hf.vocab_size,
         hidden_size=hf.hidden_size,
@@ -98,10 +100,8 @@ def llama_shape(hf: Any, **switches: Any) -> ModelConfig:
         num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
         head_dim=head_dim(hf),
         rms_norm_eps=float(hf.rms_norm_eps),
-        rope_theta=theta,
         max_position_embeddings=hf.max_position_embeddings,
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-        rope_scaling=scaling,
         **switches,
     )
 

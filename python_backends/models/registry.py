@@ -10,11 +10,21 @@ from __future__ import annotations
 from typing import Any
 
 from python_backends.config import EngineConfigError, ModelConfig
-from python_backends.models.families import llama, mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe
+from python_backends.models.families import (
+    gemma2,
+    gemma3,
+    llama,
+    mistral,
+    mixtral,
+    phi3,
+    qwen2,
+    qwen3,
+    qwen3_moe,
+)
 from python_backends.models.family import Family
 
 FAMILIES: tuple[Family, ...] = tuple(
-    m.FAMILY for m in (llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, phi3))
+    m.FAMILY for m in (llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, phi3, gemma2, gemma3))
 _BY_TYPE = {t: f for f in FAMILIES for t in f.model_types}
 SUPPORTED_MODEL_TYPES = tuple(sorted(_BY_TYPE))
 

@@ -67,6 +67,15 @@ def _configs() -> dict[str, Callable[[], Any]]:
         # within its pretraining length, where its short factors apply).
         "phi3": lambda: t.Phi3Config(**SHAPE, **PARTIAL, original_max_position_embeddings=256,
                                      rope_parameters=dict(LONG_ROPE, partial_rotary_factor=0.75)),
+        # Scores and logits large enough here for Gemma 2's caps (50, 30) to change them.
+        "gemma2": lambda: t.Gemma2Config(**SHAPE, head_dim=16, query_pre_attn_scalar=32,
+                                         sliding_window=WINDOW),
+        "gemma3": lambda: t.Gemma3TextConfig(
+            **SHAPE, head_dim=16, query_pre_attn_scalar=24, sliding_window=WINDOW,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={"full_attention": dict(rope_type="linear", factor=2.0,
+                                                    rope_theta=100000.0),
+                             "sliding_attention": dict(rope_type="default", rope_theta=500.0)}),
     }
 
 
@@ -125,6 +134,27 @@ def test_engine_matches_hf_with_chunks_and_a_prefix_cache(
         engine.close()
 
 
+def test_log_probabilities_equal_hf(family: tuple[str, TinyModel, list[list[int]]]) -> None:
+    """The chosen tokens' log-probabilities, from the engine's logits (after Gemma 2's final
+    cap, which leaves the greedy choice as it is but not the probabilities)."""
+    _name, model, want = family
+    prompt, n = batch()[3], 8
+    engine = model.engine()
+    try:
+        seq = engine.add_request("p", prompt, SamplingParams(max_tokens=n, return_log_probs=True))
+        while engine.has_unfinished:
+            engine.step()
+    finally:
+        engine.close()
+    assert seq.output_ids == want[3][:n]
+    with torch.no_grad():
+        logits = model.hf(torch.tensor([prompt + seq.output_ids])).logits[0].float()
+    rows = logits[len(prompt) - 1: len(prompt) - 1 + n].log_softmax(-1)
+    hf_logprobs = rows.gather(1, torch.tensor(seq.output_ids)[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(seq.output_logprobs), hf_logprobs, atol=2e-4,
+                               rtol=1e-4)
+
+
 def test_preempted_sequences_resume_equal_to_hf(
         family: tuple[str, TinyModel, list[list[int]]]) -> None:
     """A pool too small for the batch: sequences are preempted and recomputed."""
@@ -177,7 +207,7 @@ def test_every_family_is_registered_by_model_type() -> None:
     assert types <= set(registry.SUPPORTED_MODEL_TYPES)
     assert {f.name for f in registry.FAMILIES} >= {"Llama", "Qwen2 / Qwen2.5", "Qwen3",
                                                    "Qwen3-MoE", "Mistral", "Mixtral",
-                                                   "Phi-3 / Phi-4-mini"}
+                                                   "Phi-3 / Phi-4-mini", "Gemma 2", "Gemma 3"}
 
 
 def test_an_unsupported_model_type_is_refused_naming_the_supported(tmp_path: Path) -> None:
