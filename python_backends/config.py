@@ -23,6 +23,16 @@ def engine_dir_default() -> Path:
     return Path(os.environ.get(ENGINE_DIR_ENV) or DEFAULT_ENGINE_DIR)
 
 
+def served_model_name(engine_dir: Path) -> str:
+    """What clients call the model an engine directory serves: its config's `model_name`, else
+    the directory's name (an engine not built yet, or built before engines had names)."""
+    try:
+        name = json.loads((engine_dir / CONFIG_FILE).read_text()).get("model_name", "")
+    except (OSError, ValueError):
+        name = ""
+    return str(name) or engine_dir.name
+
+
 API_KEY_ENV = "LLM_API_KEY"
 # A server's role: which models it loads (launcher.ROLE_MODELS). The front model of a `front`
 # server reaches engine groups on other servers only; an `aggregated` server is a whole server
@@ -257,6 +267,9 @@ class EngineConfig:
     parallel: ParallelLayout = field(default_factory=ParallelLayout)
     source: str = ""
     format_version: int = FORMAT_VERSION
+    # The name clients ask for (the gateway's /v1/models): --served-model-name at build, else
+    # the engine directory's name (engines/smollm2: "smollm2").
+    model_name: str = ""
     weights: str = ""  # SUPPORTED_WEIGHTS
 
     def __post_init__(self) -> None:
@@ -306,4 +319,5 @@ class EngineConfig:
             parallel=ParallelLayout(**d.get("parallel", {})),
             source=d.get("source", ""),
             weights=d.get("weights", ""),
+            model_name=d.get("model_name", ""),
         )

@@ -38,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pp", type=int, default=1, help="pipeline stages (at most the layers)")
     ap.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (MoE models only)")
     ap.add_argument("--force", action="store_true", help="overwrite an existing engine")
+    ap.add_argument("--served-model-name", default="",
+                    help="the name clients ask for (OpenAI `model`); default: the output "
+                    "directory's name")
     ap.add_argument("--weights", choices=("int8",), default="",
                     help="int8: projections quantized to int8 at load, one scale per output "
                     "feature, activations quantized per call (float32 engines on CPUs with "
@@ -71,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         source = args.source or default_source()
         build_engine(source, args.output, limits, args.dtype, args.force,
                      log=lambda m: print(f"[build_engine] {m}", flush=True), parallel=parallel,
-                     weights=args.weights)
+                     weights=args.weights, model_name=args.served_model_name)
     except EngineConfigError as e:
         print(f"[build_engine] error: {e}", file=sys.stderr)
         return 2

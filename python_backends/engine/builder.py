@@ -109,11 +109,12 @@ def tokenizer_info(tokenizer: Any, hf_config: Any) -> TokenizerInfo:
 def write_engine(
     model: Any, tokenizer: Any, out_dir: Path, limits: EngineLimits, dtype: str,
     source: str, force: bool = False, log: Callable[[str], None] = print,
-    parallel: ParallelLayout | None = None, weights: str = "",
+    parallel: ParallelLayout | None = None, weights: str = "", model_name: str = "",
 ) -> EngineConfig:
     """Write an engine directory from an in-memory Hugging Face model (and tokenizer, if any):
     one weight file per rank of `parallel`, holding only that rank's shards. `weights`: how the
-    engine keeps its projections (config.SUPPORTED_WEIGHTS; "int8" quantizes them at load)."""
+    engine keeps its projections (config.SUPPORTED_WEIGHTS; "int8" quantizes them at load).
+    `model_name`: what clients call it (default: `out_dir`'s name)."""
     if dtype not in DTYPES:
         raise EngineConfigError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     model_cfg = model_config_from_hf(model.config)
@@ -126,6 +127,7 @@ def write_engine(
         parallel=parallel or ParallelLayout(),
         source=source,
         weights=weights,
+        model_name=model_name or out_dir.name,
     )  # refuses a layout the model cannot take
     tmp = _partial_dir(out_dir, force)
     tmp.mkdir(parents=True)
@@ -210,7 +212,7 @@ def reshard_engine(
 def build_engine(
     source: Path, out_dir: Path, limits: EngineLimits, dtype: str = "float32",
     force: bool = False, log: Callable[[str], None] = print,
-    parallel: ParallelLayout | None = None, weights: str = "",
+    parallel: ParallelLayout | None = None, weights: str = "", model_name: str = "",
 ) -> EngineConfig:
     if out_dir.exists() and not force:
         raise EngineConfigError(f"{out_dir} exists; pass --force to overwrite it")
@@ -226,6 +228,6 @@ def build_engine(
     if tokenizer is None:
         log("warning: no tokenizer files in the checkpoint; the engine cannot serve text")
     config = write_engine(model, tokenizer, out_dir, limits, dtype, str(source), force, log,
-                          parallel, weights)
+                          parallel, weights, model_name)
     log(f"engine ready at {out_dir} in {time.monotonic() - t0:.1f}s")
     return config

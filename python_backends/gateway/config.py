@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from python_backends.config import engine_dir_default
+from python_backends.config import engine_dir_default, served_model_name
 from python_backends.front.admission import RateLimit, parse_rate_limits
 from python_backends.gateway.routing import DEFAULT_OVERLAP_WEIGHT
 
@@ -89,7 +89,8 @@ POLICIES = ("least_loaded", "prefix_aware")
 @dataclass(frozen=True)
 class GatewayConfig:
     backends: tuple[BackendConfig, ...]
-    model: str = "smollm2"  # the name clients use (/v1/models)
+    # The name clients use (/v1/models); default: the engine's (config.served_model_name).
+    model: str = ""
     # its tokenizer (chat template, token counts); default: $LLM_ENGINE_DIR, else serve.sh's
     engine_dir: Path = field(default_factory=engine_dir_default)
     api_keys: dict[str, str] = field(default_factory=dict)  # key -> tenant; empty: open
@@ -102,6 +103,8 @@ class GatewayConfig:
     routing: RoutingConfig = field(default_factory=RoutingConfig)
 
     def __post_init__(self) -> None:
+        if not self.model:  # frozen: set once, here
+            object.__setattr__(self, "model", served_model_name(self.engine_dir))
         if not self.backends:
             raise ConfigError("backends: at least one Triton server is needed")
         names = [b.name for b in self.backends]

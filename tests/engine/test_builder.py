@@ -33,9 +33,11 @@ def test_build_from_checkpoint_directory(tiny_llama: TinyModel, tmp_path: Path) 
         "rank0.safetensors"
     ]
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "rank0.safetensors"]
+    assert cfg.model_name == "engine"  # the directory's name, unless given one
     with pytest.raises(EngineConfigError, match="--force"):
         build_engine(ckpt, out, limits, log=logs.append)
-    build_engine(ckpt, out, limits, force=True, log=logs.append)
+    build_engine(ckpt, out, limits, force=True, log=logs.append, model_name="tiny-llama")
+    assert EngineConfig.load(out).model_name == "tiny-llama"
 
 
 def test_bad_sources_and_layouts(tmp_path: Path) -> None:

@@ -72,3 +72,18 @@ def test_the_engine_defaults_to_the_one_the_servers_use(monkeypatch: pytest.Monk
     assert GatewayConfig.from_dict(raw).engine_dir == tmp_path
     monkeypatch.delenv("LLM_ENGINE_DIR")
     assert GatewayConfig.from_dict(raw).engine_dir.name == "smollm2"
+
+
+def test_the_model_name_defaults_to_the_engines(tmp_path: Path) -> None:
+    """Clients ask for the engine's model by the name its build gave it (--served-model-name,
+    else its directory's name); a config's `model` still overrides it."""
+    import json
+
+    backends = [{"name": "a", "grpc": "h:1", "metrics": "http://h:2/metrics"}]
+    engine = tmp_path / "qwen-engine"
+    engine.mkdir()
+    raw: dict[str, object] = {"backends": backends, "engine_dir": str(engine)}
+    assert GatewayConfig.from_dict(raw).model == "qwen-engine"  # no config.json yet
+    (engine / "config.json").write_text(json.dumps({"model_name": "Qwen2.5-0.5B-Instruct"}))
+    assert GatewayConfig.from_dict(raw).model == "Qwen2.5-0.5B-Instruct"
+    assert GatewayConfig.from_dict({**raw, "model": "mine"}).model == "mine"
