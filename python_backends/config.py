@@ -63,7 +63,7 @@ class EngineConfigError(ValueError):
     """An engine directory or layout that cannot be served."""
 
 
-ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 
 
@@ -81,7 +81,12 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
-    attention_factor: float = 1.0
+    attention_factor: float = 1.0  # LongRoPE's and YaRN's scale of cos and sin
+    # YaRN (DeepSeek): frequencies between beta_fast and beta_slow rotations over the
+    # pretraining length blend from extrapolated to interpolated (`truncate`: at whole dims).
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
 
     def __post_init__(self) -> None:
         if self.rope_type not in ROPE_TYPES:
@@ -92,7 +97,7 @@ class RopeScaling:
 
     @property
     def attention_scale(self) -> float:
-        return self.attention_factor if self.rope_type == "longrope" else 1.0
+        return self.attention_factor if self.rope_type in ("longrope", "yarn") else 1.0
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RopeScaling:
@@ -142,6 +147,41 @@ class ModelConfig:
     # Gemma 2/3: a norm after attention and after the MLP too (pre_feedforward_layernorm,
     # post_feedforward_layernorm; post_attention_layernorm then normalizes attention's output).
     sandwich_norms: bool = False
+    # Multi-head latent attention (DeepSeek-V2/V3; models.latent_attention), where kv_lora_rank
+    # is not 0: the cache holds per token the compressed KV (kv_lora_rank) and the rotated key
+    # part all heads share (rotary_dim); queries and keys have head_dim = the unrotated part +
+    # rotary_dim, values v_head_dim; queries pass a low-rank projection where q_lora_rank is not 0.
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # rotated dimensions paired as (0, 1), (2, 3)... (DeepSeek)
+    # DeepSeek's experts: router scores by sigmoid (router_scoring) plus a selection bias,
+    # chosen within the best topk_group of n_group expert groups, weights scaled by
+    # routed_scaling_factor; shared experts (one MLP n_shared_experts experts wide) for every
+    # token; the first first_dense_layers layers dense (intermediate_size wide), experts
+    # moe_intermediate_size wide (0: intermediate_size).
+    router_scoring: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    n_shared_experts: int = 0
+    first_dense_layers: int = 0
+    moe_intermediate_size: int = 0
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        return self.moe_intermediate_size or self.intermediate_size
+
+    def is_moe_layer(self, index: int) -> bool:
+        return bool(self.num_experts) and index >= self.first_dense_layers
+
+    @property
+    def kv_cache_shape(self) -> tuple[int, int, int]:
+        """(planes, KV heads, head size) of the whole model's cache per token and layer: K and V
+        per KV head, or one latent vector (kv_lora_rank + rotary_dim) under latent attention."""
+        if self.kv_lora_rank:
+            return 1, 1, self.kv_lora_rank + self.rotary_dim
+        return 2, self.num_kv_heads, self.head_dim
 
     @property
     def window_everywhere(self) -> int:
@@ -150,6 +190,14 @@ class ModelConfig:
         return 0 if self.global_layers else self.sliding_window
 
     def __post_init__(self) -> None:
+        if self.router_scoring not in ("softmax", "sigmoid"):
+            raise EngineConfigError(f"router_scoring {self.router_scoring!r}: softmax or sigmoid")
+        if self.num_experts % self.n_group or not 0 < self.topk_group <= self.n_group:
+            raise EngineConfigError(f"{self.num_experts} experts in n_group={self.n_group} "
+                                    f"groups, topk_group={self.topk_group}: the groups must "
+                                    "divide the experts and topk_group be in 1..n_group")
+        if self.kv_lora_rank and not self.rotary_dim:
+            raise EngineConfigError("latent attention needs its rotated part (rotary_dim)")
         if self.hidden_act not in HIDDEN_ACTS:
             raise EngineConfigError(f"activation {self.hidden_act!r} is not supported "
                                     f"(supported: {', '.join(HIDDEN_ACTS)})")
@@ -224,13 +272,19 @@ class ParallelLayout:
 
     def check(self, model: ModelConfig) -> None:
         """Refuse a layout the model cannot take, saying why."""
+        if model.kv_lora_rank and self.tp > 1:
+            raise EngineConfigError(
+                f"tp={self.tp}: latent attention caches one vector per token that every head "
+                "reads, so its heads are not split across ranks here; split the experts (ep) "
+                "or the layers (pp)")
         if model.num_kv_heads % self.tp:
             possible = [t for t in range(1, model.num_kv_heads + 1) if model.num_kv_heads % t == 0]
             raise EngineConfigError(
                 f"tp={self.tp} does not divide the model's {model.num_kv_heads} KV heads "
                 f"(KV heads are split across tensor-parallel ranks); possible tp: {possible}"
             )
-        if not model.num_experts and model.intermediate_size % self.tp:
+        if (not model.num_experts or model.first_dense_layers) and (
+                model.intermediate_size % self.tp):
             raise EngineConfigError(f"tp={self.tp} does not divide the MLP's intermediate size "
                                     f"{model.intermediate_size}")
         if self.pp > model.num_layers:

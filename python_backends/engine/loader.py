@@ -78,8 +78,9 @@ def kv_layout(config: EngineConfig, num_kv_blocks: int, rank: int = 0,
     `whole`: every layer and head (what KV transports move, whatever the layout)."""
     ctx = ParallelContext() if whole else ParallelContext(config.parallel, rank)
     m = config.model
+    planes, heads, head_dim = m.kv_cache_shape
     return KVLayout(
         num_layers=len(ctx.layout.stage_layers(m.num_layers, ctx.pp_rank)),
-        num_kv_heads=m.num_kv_heads // ctx.tp_size, head_dim=m.head_dim,
+        num_kv_heads=heads // ctx.tp_size, head_dim=head_dim,
         block_size=config.limits.block_size, dtype=config.dtype, num_blocks=num_kv_blocks,
-        tp_rank=ctx.tp_rank, tp_size=ctx.tp_size)
+        tp_rank=ctx.tp_rank, tp_size=ctx.tp_size, planes=planes)

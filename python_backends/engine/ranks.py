@@ -242,18 +242,18 @@ class RankGroup:
 
 def exchange_kv(ctx: ParallelContext, config: EngineConfig, pool: torch.Tensor,
                 blocks: list[int], kind: str, whole: torch.Tensor | None = None) -> None:
-    """Move the KV of `blocks` between each rank's slice `pool` ([layers of its stage, 2, slots,
-    its KV heads, D]) and rank 0's whole-model pool `whole` (every layer and head), point to
+    """Move the KV of `blocks` between each rank's slice `pool` ([layers of its stage, planes,
+    slots, its KV heads, D]) and rank 0's whole-model pool `whole` (every layer and head), point to
     point. gather_kv: from the ranks into `whole` (one holder per distinct slice: ranks that
     replicate attention hold the same KV); scatter_kv: from `whole` to every rank."""
     bs = config.limits.block_size
     slots = (torch.tensor(blocks).unsqueeze(1) * bs + torch.arange(bs)).reshape(-1)
     slots = slots.to(pool.device)
     layout = config.parallel
-    heads = config.model.num_kv_heads // layout.tp
+    heads = pool.shape[3]  # this rank's share; every rank holds as many
     if ctx.rank != 0:
         if kind == "scatter_kv":
-            part = pool.new_empty(pool.shape[0], 2, len(slots), *pool.shape[3:])
+            part = pool.new_empty(pool.shape[0], pool.shape[1], len(slots), *pool.shape[3:])
             with timed("send_recv"):
                 dist.recv(part, src=0)
             pool.index_copy_(2, slots, part)
@@ -273,7 +273,8 @@ def exchange_kv(ctx: ParallelContext, config: EngineConfig, pool: torch.Tensor,
             if rank == 0:
                 part = pool.index_select(2, slots)
             else:
-                part = whole.new_empty(len(layers), 2, len(slots), heads, whole.shape[-1])
+                part = whole.new_empty(len(layers), whole.shape[1], len(slots), heads,
+                                       whole.shape[-1])
                 with timed("send_recv"):
                     dist.recv(part, src=rank)
             region.index_copy_(2, slots, part)

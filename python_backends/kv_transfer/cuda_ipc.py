@@ -74,7 +74,7 @@ class CudaIpcSink(KVSink):
     def _copy(self, handle: KVHandle, dst_blocks: list[int]) -> None:
         src = self._owner_pool(handle)
         src_layout = handle.layout
-        planes = 2 * src_layout.num_layers
+        planes = src_layout.planes * src_layout.num_layers
         width = src_layout.num_kv_heads * src_layout.head_dim
         src_view = src.view(planes, -1, width)
         dst_view = self.pool.view(planes, -1, width)

@@ -1,9 +1,11 @@
 """The KV pool of one engine instance and the byte ranges a block list occupies in it.
 
-The pool is one contiguous tensor `[layers, 2 (K, V), slots, kv_heads, head_dim]`, so a
-transport registers or maps it once. Block `b` of layer `l` holds slots
-`[b * block_size, (b + 1) * block_size)`: `2 * layers` contiguous ranges per block, and runs of
-consecutive blocks merge into longer ranges.
+The pool is one contiguous tensor `[layers, planes, slots, kv_heads, head_dim]`, so a
+transport registers or maps it once: two planes (K, V) per layer, or one where the model caches a
+latent vector per token instead (multi-head latent attention: one "head" holding the compressed
+KV and the rotated key part). Block `b` of layer `l` holds slots
+`[b * block_size, (b + 1) * block_size)`: `planes * layers` contiguous ranges per block, and runs
+of consecutive blocks merge into longer ranges.
 """
 
 from __future__ import annotations
@@ -31,11 +33,12 @@ class KVLayout:
     num_blocks: int
     tp_rank: int = 0
     tp_size: int = 1
+    planes: int = 2  # K and V; 1: a latent cache (models.latent_attention)
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return (self.num_layers, 2, self.num_blocks * self.block_size, self.num_kv_heads,
-                self.head_dim)
+        return (self.num_layers, self.planes, self.num_blocks * self.block_size,
+                self.num_kv_heads, self.head_dim)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -45,7 +48,7 @@ class KVLayout:
 
     @property
     def block_range_bytes(self) -> int:
-        """Bytes of one block in one (layer, K or V) plane."""
+        """Bytes of one block in one (layer, plane) plane."""
         return self.block_size * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
 
     @property
@@ -54,14 +57,14 @@ class KVLayout:
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.num_layers * self.plane_bytes
+        return self.planes * self.num_layers * self.plane_bytes
 
     def bytes_for(self, num_blocks: int) -> int:
-        return 2 * self.num_layers * num_blocks * self.block_range_bytes
+        return self.planes * self.num_layers * num_blocks * self.block_range_bytes
 
     def incompatibility(self, other: KVLayout) -> str | None:
         """Why blocks of `other` cannot be copied into this layout as they are, if they can't."""
-        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype",
+        for name in ("num_layers", "planes", "num_kv_heads", "head_dim", "block_size", "dtype",
                      "tp_size"):
             if getattr(self, name) != getattr(other, name):
                 return f"{name} differs ({getattr(other, name)} vs {getattr(self, name)})"
@@ -118,10 +121,10 @@ def byte_ranges(
     src: KVLayout, dst: KVLayout, src_blocks: list[int], dst_blocks: list[int]
 ) -> np.ndarray:
     """`[N, 3]` int64 rows `(src_offset, dst_offset, length)`: the copies that move the blocks,
-    one per (layer, K/V plane, run)."""
+    one per (layer, plane, run)."""
     runs = np.array(block_runs(src_blocks, dst_blocks), dtype=np.int64).reshape(-1, 3)
     unit = src.block_range_bytes
-    planes = np.arange(2 * src.num_layers, dtype=np.int64)[:, None]  # [P, 1]
+    planes = np.arange(src.planes * src.num_layers, dtype=np.int64)[:, None]  # [P, 1]
     out = np.empty((planes.shape[0], runs.shape[0], 3), dtype=np.int64)
     out[:, :, 0] = planes * src.plane_bytes + runs[None, :, 0] * unit
     out[:, :, 1] = planes * dst.plane_bytes + runs[None, :, 1] * unit

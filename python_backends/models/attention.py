@@ -149,11 +149,11 @@ def paged_attention(
         if span.mask is None:  # nothing cached before: use this step's K/V directly
             ks = k[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, K, n, D]
             vs = v[span.start : span.end].transpose(0, 1).unsqueeze(0)
-            o = _sdpa(qs, ks, vs, None, scale, softcap, causal=True)
+            o = sdpa(qs, ks, vs, None, scale, softcap, causal=True)
         else:
             ks = cache[0].index_select(0, span.context_slots).transpose(0, 1).unsqueeze(0)
             vs = cache[1].index_select(0, span.context_slots).transpose(0, 1).unsqueeze(0)
-            o = _sdpa(qs, ks, vs, span.mask, scale, softcap)
+            o = sdpa(qs, ks, vs, span.mask, scale, softcap)
         out[span.start : span.end] = o[0].transpose(0, 1)
     if meta.decode is not None:
         d = meta.decode
@@ -183,10 +183,10 @@ def gathered_decode_attention(q: torch.Tensor, cache: torch.Tensor, d: DecodeBat
     # index_select, not advanced indexing: ~5x faster gathers on CPU.
     kd = cache[0].index_select(0, flat).view(kv_shape).transpose(1, 2)  # [B, K, L, D]
     vd = cache[1].index_select(0, flat).view(kv_shape).transpose(1, 2)
-    return _sdpa(q.unsqueeze(2), kd, vd, d.mask, scale, softcap).squeeze(2)
+    return sdpa(q.unsqueeze(2), kd, vd, d.mask, scale, softcap).squeeze(2)
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
           scale: float, softcap: float = 0.0, causal: bool = False) -> torch.Tensor:
     """Scaled dot-product attention (grouped KV heads). 16-bit floats on the CPU are computed in
     float32: torch's CPU kernel is many times slower in bfloat16 (docs/platform.md), and the

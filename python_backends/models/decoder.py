@@ -31,7 +31,14 @@ from python_backends.config import ModelConfig, RopeScaling
 from python_backends.host_memory import huge_page_empty
 from python_backends.models import kernels
 from python_backends.models.attention import AttentionMetadata, paged_attention, write_kv
+from python_backends.models.common import (
+    RMSNorm,
+    Rotary,
+    RotaryEmbedding,
+    apply_rotary,
+)
 from python_backends.models.greedy_head import GreedyHead
+from python_backends.models.latent_attention import LatentAttention
 from python_backends.parallel.context import ParallelContext
 from python_backends.parallel.layers import (
     ColumnParallelLinear,
@@ -45,107 +52,6 @@ from python_backends.parallel.layers import (
 from python_backends.parallel.moe import MoE
 
 log = logging.getLogger(__name__)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (ops := kernels.layer_ops(x)) is not None:
-            return ops.rms_norm(x.contiguous(), self.weight, self.eps)
-        # In float32 this rounds exactly like Hugging Face's four-op version.
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        y = x.float()
-        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * y.to(x.dtype)
-
-    def add_norm(self, x: torch.Tensor, delta: torch.Tensor | None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + delta, its norm): the residual stream with a layer's output added, and the
-        next layer's input; `delta` None adds nothing."""
-        if delta is None:
-            return x, self(x)
-        if (ops := kernels.layer_ops(x)) is not None:
-            return ops.add_rms_norm(x.contiguous(), delta.contiguous(), self.weight, self.eps)
-        x = x + delta
-        return x, self(x)
-
-
-def rope_inv_freq(dims: int, theta: float, scaling: RopeScaling,
-                  factors: tuple[float, ...] = ()) -> torch.Tensor:
-    """Inverse frequencies [R/2] of `dims` rotated dimensions, with the checkpoint's scaling
-    (`factors`: LongRoPE's per-frequency divisors, its short or its long ones)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dims, 2, dtype=torch.int64).float() / dims))
-    if scaling.rope_type == "linear":
-        return inv_freq / scaling.factor
-    if scaling.rope_type == "longrope":
-        return 1.0 / (torch.tensor(factors, dtype=torch.float32)
-                      * theta ** (torch.arange(0, dims, 2, dtype=torch.int64).float() / dims))
-    if scaling.rope_type == "llama3":
-        old_len = scaling.original_max_position_embeddings
-        low_wavelen = old_len / scaling.low_freq_factor
-        high_wavelen = old_len / scaling.high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
-        smooth = (old_len / wavelen - scaling.low_freq_factor) / (
-            scaling.high_freq_factor - scaling.low_freq_factor
-        )
-        smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
-        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-        return torch.where(medium, smoothed, scaled)
-    return inv_freq
-
-
-def rope_angles(dims: int, max_positions: int, theta: float,
-                scaling: RopeScaling) -> torch.Tensor:
-    """[P, R/2]: the angle of each position and frequency. LongRoPE rotates positions below the
-    pretraining length with its short factors and later ones with its long factors (as vLLM
-    does; Hugging Face switches every position of a sequence to the long factors once it grows
-    past that length, so the two agree on sequences within it)."""
-    positions = torch.arange(max_positions).float()[:, None]
-    if scaling.rope_type != "longrope":
-        return positions * rope_inv_freq(dims, theta, scaling)[None, :]
-    short = positions * rope_inv_freq(dims, theta, scaling, scaling.short_factor)[None, :]
-    long = positions * rope_inv_freq(dims, theta, scaling, scaling.long_factor)[None, :]
-    return torch.where(positions < scaling.original_max_position_embeddings, short, long)
-
-
-class RotaryEmbedding(nn.Module):
-    """Precomputed cos/sin tables indexed by position (rotate-half convention), LongRoPE's
-    attention factor folded in."""
-
-    def __init__(self, dims: int, max_positions: int, theta: float, scaling: RopeScaling):
-        super().__init__()
-        freqs = rope_angles(dims, max_positions, theta, scaling)
-        emb = torch.cat((freqs, freqs), dim=-1)  # [P, R]
-        self.cos: torch.Tensor
-        self.sin: torch.Tensor
-        self.register_buffer("cos", emb.cos() * scaling.attention_scale, persistent=False)
-        self.register_buffer("sin", emb.sin() * scaling.attention_scale, persistent=False)
-
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotary:
-        """The step's tables, looked up once and shared by every layer."""
-        cos = self.cos.index_select(0, positions).unsqueeze(1).to(dtype)  # [T, 1, R]
-        sin = self.sin.index_select(0, positions).unsqueeze(1).to(dtype)
-        return cos, sin
-
-
-Rotary = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [T, 1, R]
-
-
-def apply_rotary(x: torch.Tensor, rotary: Rotary) -> torch.Tensor:
-    """x: [T, heads, D]; a partial rotation (R < D) turns the first R dimensions only."""
-    cos, sin = rotary
-    dims = cos.shape[-1]
-    if dims < x.shape[-1]:
-        return torch.cat((apply_rotary(x[..., :dims], rotary), x[..., dims:]), dim=-1)
-    half = dims // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
 
 
 class Attention(nn.Module):
@@ -197,11 +103,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, ctx: ParallelContext) -> None:
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, width: int = 0) -> None:
+        """`width`: the intermediate size (default: the config's)."""
         super().__init__()
+        width = width or cfg.intermediate_size
         # gate and up projections packed into one matrix (see loader.PACKED_MODULES).
-        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, 2 * cfg.intermediate_size, ctx)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, ctx)
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, 2 * width, ctx)
+        self.down_proj = RowParallelLinear(width, cfg.hidden_size, ctx)
         self.silu = cfg.hidden_act == "silu"  # SwiGLU; else GeGLU (tanh-approximated GELU)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -220,13 +128,21 @@ class DecoderLayer(nn.Module):
         super().__init__()
         eps = cfg.rms_norm_eps
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
-        self.self_attn = Attention(cfg, ctx, index)
+        self.self_attn: Attention | LatentAttention = (
+            LatentAttention(cfg, ctx) if cfg.kv_lora_rank else Attention(cfg, ctx, index))
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
         self.pre_feedforward_layernorm = (RMSNorm(cfg.hidden_size, eps) if cfg.sandwich_norms
                                           else None)
         self.post_feedforward_layernorm = (RMSNorm(cfg.hidden_size, eps) if cfg.sandwich_norms
                                            else None)
-        self.mlp = MoE(cfg, ctx) if cfg.num_experts else MLP(cfg, ctx)
+        self.mlp: MoE | MLP
+        if cfg.is_moe_layer(index):
+            self.mlp = MoE(cfg, ctx)
+            if cfg.n_shared_experts:  # DeepSeek: one MLP as wide as the shared experts
+                self.mlp.shared_experts = MLP(
+                    cfg, ctx, cfg.n_shared_experts * cfg.expert_intermediate_size)
+        else:
+            self.mlp = MLP(cfg, ctx)
 
     def forward(self, x: torch.Tensor, delta: torch.Tensor | None, rotary: Rotary,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -389,5 +305,5 @@ class CausalLM(nn.Module):
                 m.plain = None
         return len(packed)
 
-    def attention_layers(self) -> list[Attention]:
-        return [m for m in self.modules() if isinstance(m, Attention)]
+    def attention_layers(self) -> list[Attention | LatentAttention]:
+        return [m for m in self.modules() if isinstance(m, Attention | LatentAttention)]

@@ -62,7 +62,26 @@ def rope_scaling(hf: Any, params: dict[str, Any] | None = None) -> tuple[float, 
                       attention_factor=float(attention),
                       short_factor=tuple(float(f) for f in rope["short_factor"]),
                       long_factor=tuple(float(f) for f in rope["long_factor"]))
+    if rope_type == "yarn":
+        original = int(rope.get("original_max_position_embeddings")
+                       or hf.max_position_embeddings)
+        factor = float(rope.get("factor") or hf.max_position_embeddings / original)
+        attention = rope.get("attention_factor")
+        if attention is None:
+            mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+            attention = (yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+                         if mscale and mscale_all_dim else yarn_mscale(factor))
+        kwargs.update(original_max_position_embeddings=original, factor=factor,
+                      attention_factor=float(attention),
+                      beta_fast=float(rope.get("beta_fast") or 32),
+                      beta_slow=float(rope.get("beta_slow") or 1),
+                      truncate=bool(rope.get("truncate", True)))
     return float(theta), RopeScaling(rope_type=rope_type, **kwargs)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature for a context `factor` times longer (0.1 m ln s + 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def head_dim(hf: Any) -> int:
@@ -91,7 +110,7 @@ def llama_shape(hf: Any, **switches: Any) -> ModelConfig:
         check_silu(hf)
     if "rope_theta" not in switches:
         switches["rope_theta"], switches["rope_scaling"] = rope_scaling(hf)
-    return ModelConfig(
+    fields: dict[str, Any] = dict(
         vocab_size=hf.vocab_size,
         hidden_size=hf.hidden_size,
         intermediate_size=hf.intermediate_size,
@@ -102,8 +121,8 @@ def llama_shape(hf: Any, **switches: Any) -> ModelConfig:
         rms_norm_eps=float(hf.rms_norm_eps),
         max_position_embeddings=hf.max_position_embeddings,
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-        **switches,
     )
+    return ModelConfig(**{**fields, **switches})
 
 
 def no_sliding_window(hf: Any) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 
 from python_backends.config import EngineConfigError, ModelConfig
 from python_backends.models.families import (
+    deepseek_v3,
     gemma2,
     gemma3,
     llama,
@@ -24,7 +25,8 @@ from python_backends.models.families import (
 from python_backends.models.family import Family
 
 FAMILIES: tuple[Family, ...] = tuple(
-    m.FAMILY for m in (llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, phi3, gemma2, gemma3))
+    m.FAMILY for m in (llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, phi3, gemma2, gemma3,
+                       deepseek_v3))
 _BY_TYPE = {t: f for f in FAMILIES for t in f.model_types}
 SUPPORTED_MODEL_TYPES = tuple(sorted(_BY_TYPE))
 

@@ -1,8 +1,13 @@
 """Mixture-of-experts MLP (Mixtral-style) with the experts placed across expert-parallel ranks.
 
-Router: softmax over all experts (float32), top-k, weights renormalized to sum to 1 where the
-family does (`ModelConfig.norm_topk_prob`: Mixtral always, Qwen3-MoE as its config says), as
-Hugging Face computes them. Each rank holds experts [ep_rank * E/ep, (ep_rank + 1) * E/ep).
+Router (float32), as Hugging Face computes it: softmax over all experts, top-k, the weights
+renormalized to sum to 1 where the family does (`ModelConfig.norm_topk_prob`: Mixtral always,
+Qwen3-MoE as its config says); or DeepSeek-V3's: sigmoid scores, the choice made on the scores
+plus a per-expert bias among the experts of the best `topk_group` of `n_group` groups (a
+group's score: its two best), the weights the chosen unbiased scores, renormalized, times
+`routed_scaling_factor`. DeepSeek's shared experts (one MLP) add to every token's output.
+
+Each rank holds experts [ep_rank * E/ep, (ep_rank + 1) * E/ep).
 The stage's ranks all see the whole step (attention is replicated or tensor-parallel before this
 layer), so each takes its own contiguous share of the tokens, and then:
 
@@ -34,23 +39,24 @@ class MoE(nn.Module):
         self.renormalize = cfg.norm_topk_prob
         self.num_local = cfg.num_experts // ctx.ep_size
         self.first_expert = ctx.ep_rank * self.num_local
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # the router
-        self.experts = Experts(self.num_local, cfg.hidden_size, cfg.intermediate_size)
+        self.gate = Router(cfg)
+        self.experts = Experts(self.num_local, cfg.hidden_size, cfg.expert_intermediate_size)
+        # Shared experts, built by the decoder (an MLP of its own kind; None: none).
+        self.shared_experts: nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ctx = self.ctx
-        probs = F.softmax(self.gate(x).float(), dim=-1)
-        weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
-        if self.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights, chosen = self.gate.choose(x, self.top_k, self.renormalize)  # [T, k]
         weights = weights.to(x.dtype)
         sizes = [len(part) for part in torch.arange(len(x)).tensor_split(ctx.ep_size)]
         start = sum(sizes[: ctx.ep_rank])
         mine = slice(start, start + sizes[ctx.ep_rank])
         out = self._route(x[mine], chosen[mine], weights[mine])
-        if ctx.ep_size == 1:
-            return out
-        return ctx.all_gather_rows(out, sizes)
+        if ctx.ep_size > 1:
+            out = ctx.all_gather_rows(out, sizes)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
 
     def _route(self, x: torch.Tensor, chosen: torch.Tensor,
                weights: torch.Tensor) -> torch.Tensor:
@@ -78,6 +84,46 @@ class MoE(nn.Module):
         out = torch.zeros_like(x)
         out.index_add_(0, tokens[by_expert], y[by_expert])
         return out
+
+
+class Router(nn.Module):
+    """The router's weight [E, H] (Hugging Face's `mlp.gate.weight`) and, for sigmoid routing,
+    the per-expert selection bias (`mlp.gate.e_score_correction_bias`)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+        self.sigmoid = cfg.router_scoring == "sigmoid"
+        self.e_score_correction_bias: torch.Tensor | None
+        self.register_buffer("e_score_correction_bias",
+                             torch.zeros(cfg.num_experts) if self.sigmoid else None)
+        self.n_group, self.topk_group = cfg.n_group, cfg.topk_group
+        self.scaling = cfg.routed_scaling_factor
+
+    def choose(self, x: torch.Tensor, k: int,
+               renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] float32, experts [T, k]) of each token."""
+        logits = F.linear(x.float(), self.weight.float())
+        if not self.sigmoid:
+            weights, chosen = torch.topk(F.softmax(logits, dim=-1), k, dim=-1)
+            if renormalize:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+            return weights * self.scaling, chosen
+        scores = logits.sigmoid()
+        biased = scores + self.e_score_correction_bias if (
+            self.e_score_correction_bias is not None) else scores
+        if self.n_group > 1:
+            t, e = biased.shape
+            grouped = biased.view(t, self.n_group, e // self.n_group)
+            best = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # [T, groups]
+            groups = best.topk(self.topk_group, dim=-1, sorted=False)[1]
+            keep = torch.zeros_like(best).scatter_(1, groups, 1).bool()
+            biased = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(t, e)
+        chosen = torch.topk(biased, k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, chosen)
+        if renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.scaling, chosen
 
 
 class Experts(nn.Module):

@@ -3,8 +3,9 @@ a small random-weight checkpoint built here from transformers' config class: thr
 with chunked prefill, prefix caching, preemption and speculative drafts, and split over ranks
 (TP2 and PP2 for dense families, EP2 for mixture-of-experts ones).
 
-Random norms and biases (transformers initializes them to ones and zeros) so that a family's
-norm or bias that the engine dropped or misplaced changes the output."""
+Random norms and biases (transformers initializes them to ones and zeros; DeepSeek's expert
+selection bias too) so that a family's norm or bias that the engine dropped or misplaced
+changes the output."""
 
 from __future__ import annotations
 
@@ -42,6 +43,9 @@ LONG_ROPE: dict[str, Any] = dict(
     short_factor=[1.0 + 0.2 * i for i in range(6)], long_factor=[2.0 + 0.5 * i for i in range(6)])
 
 
+YARN: dict[str, Any] = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                           original_max_position_embeddings=128, mscale=1.0, mscale_all_dim=1.0,
+                           beta_fast=32, beta_slow=1)
 # Config fields transformers' config classes take without declaring them.
 HEAD_16: dict[str, Any] = dict(head_dim=16)  # Qwen3's head size, not hidden / heads
 PARTIAL: dict[str, Any] = dict(partial_rotary_factor=0.75)
@@ -76,11 +80,19 @@ def _configs() -> dict[str, Callable[[], Any]]:
             rope_parameters={"full_attention": dict(rope_type="linear", factor=2.0,
                                                     rope_theta=100000.0),
                              "sliding_attention": dict(rope_type="default", rope_theta=500.0)}),
+        # DeepSeek-V3's shape in small: latent attention with low-rank queries, YaRN, one dense
+        # layer then experts in 4 groups (2 kept), a shared expert.
+        "deepseek_v3": lambda: t.DeepseekV3Config(
+            **{**SHAPE, "num_key_value_heads": 4}, moe_intermediate_size=32,
+            n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+            n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+            kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16,
+            v_head_dim=12, rope_parameters=YARN),
     }
 
 
 FAMILIES = list(_configs())
-MOE = {"mixtral", "qwen3_moe", "qwen3_moe-unnormalized"}
+MOE = {"mixtral", "qwen3_moe", "qwen3_moe-unnormalized", "deepseek_v3"}
 
 
 def make_family(name: str, out_dir: Path, parallel: ParallelLayout | None = None,
@@ -95,6 +107,9 @@ def make_family(name: str, out_dir: Path, parallel: ParallelLayout | None = None
                 p.copy_(1 + 0.3 * torch.randn_like(p))
             elif pname.endswith(".bias"):
                 p.copy_(0.5 * torch.randn_like(p))
+        for bname, b in hf.named_buffers():
+            if bname.endswith("e_score_correction_bias"):  # DeepSeek's selection bias
+                b.copy_(0.3 * torch.randn_like(b))
     write_engine(hf, None, out_dir, LIMITS, "float32", "random", log=lambda _m: None,
                  parallel=parallel)
     return TinyModel(out_dir, hf)
@@ -207,7 +222,8 @@ def test_every_family_is_registered_by_model_type() -> None:
     assert types <= set(registry.SUPPORTED_MODEL_TYPES)
     assert {f.name for f in registry.FAMILIES} >= {"Llama", "Qwen2 / Qwen2.5", "Qwen3",
                                                    "Qwen3-MoE", "Mistral", "Mixtral",
-                                                   "Phi-3 / Phi-4-mini", "Gemma 2", "Gemma 3"}
+                                                   "Phi-3 / Phi-4-mini", "Gemma 2", "Gemma 3",
+                                                   "DeepSeek-V3"}
 
 
 def test_an_unsupported_model_type_is_refused_naming_the_supported(tmp_path: Path) -> None:
@@ -285,3 +301,22 @@ def test_a_windowed_sequence_holds_only_its_windows_blocks(tmp_path: Path, name:
         assert used[-1] == 0  # the finished sequence released the rest
     finally:
         engine.close()
+
+
+def test_latent_attention_caches_one_latent_vector_per_token(tmp_path: Path) -> None:
+    """DeepSeek's KV pool follows the latent cache: one plane of one (kv_lora_rank + rotated)
+    vector per token and layer, 40 numbers here where K and V of its 4 heads would be 192."""
+    from python_backends.engine.loader import kv_layout
+
+    model = make_family("deepseek_v3", tmp_path / "e")
+    config = EngineConfig.load(model.engine_dir)
+    layout = kv_layout(config, num_kv_blocks=8, whole=True)
+    assert (layout.planes, layout.num_kv_heads, layout.head_dim) == (1, 1, 32 + 8)
+    assert layout.bytes_for(1) == 3 * LIMITS.block_size * 40 * 4
+    engine = model.engine(num_kv_blocks=8)
+    try:
+        assert tuple(engine.runner.kv_pool.shape) == (3, 1, 8 * LIMITS.block_size, 1, 40)
+    finally:
+        engine.close()
+    with pytest.raises(EngineConfigError, match="tp=2: latent attention caches one vector"):
+        make_family("deepseek_v3", tmp_path / "tp2", parallel=ParallelLayout(tp=2))

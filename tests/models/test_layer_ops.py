@@ -1,5 +1,5 @@
 """The native float32 glue between a layer's projections (csrc/layer_ops.cpp) against the torch
-ops it replaces (python_backends/models/llama.py's fallback path)."""
+ops it replaces (python_backends/models/common.py's and decoder.py's fallback paths)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from python_backends.config import RopeScaling
 from python_backends.models import kernels
-from python_backends.models.decoder import RotaryEmbedding, apply_rotary
+from python_backends.models.common import RotaryEmbedding, apply_rotary
 
 
 @pytest.fixture(scope="module")
