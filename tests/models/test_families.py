@@ -9,6 +9,8 @@ changes the output."""
 
 from __future__ import annotations
 
+import dataclasses
+import uuid
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -22,11 +24,16 @@ from python_backends.engine.builder import model_config_from_hf, write_engine
 from python_backends.engine.engine_loop import build_off_thread
 from python_backends.engine.llm_engine import LLMEngine
 from python_backends.engine.speculative import SpeculationConfig
+from python_backends.kv_store.host_store import STORE_PREFIX, HostKVStore
 from python_backends.models import registry
+from python_backends.parallel.layers import int8_supported, packable
 from python_backends.params import SamplingParams
 from tests.conftest import TinyModel
 from tests.engine.test_llm_engine import run_all
+from tests.engine.test_prefix_cache import with_store
 from tests.engine.test_speculative import events_until_done, with_oracle
+from tests.parallel.test_heterogeneous_handoff import N as HANDOFF_TOKENS
+from tests.parallel.test_heterogeneous_handoff import hand_over
 
 VOCAB = 250
 WINDOW = 16  # the sliding-window families' window: shorter than the long prompt
@@ -96,7 +103,7 @@ MOE = {"mixtral", "qwen3_moe", "qwen3_moe-unnormalized", "deepseek_v3"}
 
 
 def make_family(name: str, out_dir: Path, parallel: ParallelLayout | None = None,
-                seed: int = 5) -> TinyModel:
+                seed: int = 5, dtype: str = "float32", weights: str = "") -> TinyModel:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -110,8 +117,8 @@ def make_family(name: str, out_dir: Path, parallel: ParallelLayout | None = None
         for bname, b in hf.named_buffers():
             if bname.endswith("e_score_correction_bias"):  # DeepSeek's selection bias
                 b.copy_(0.3 * torch.randn_like(b))
-    write_engine(hf, None, out_dir, LIMITS, "float32", "random", log=lambda _m: None,
-                 parallel=parallel)
+    write_engine(hf, None, out_dir, LIMITS, dtype, "random", log=lambda _m: None,
+                 parallel=parallel, weights=weights)
     return TinyModel(out_dir, hf)
 
 
@@ -168,6 +175,66 @@ def test_log_probabilities_equal_hf(family: tuple[str, TinyModel, list[list[int]
     hf_logprobs = rows.gather(1, torch.tensor(seq.output_ids)[:, None])[:, 0]
     torch.testing.assert_close(torch.tensor(seq.output_logprobs), hf_logprobs, atol=2e-4,
                                rtol=1e-4)
+
+
+def test_kv_handed_from_a_prefill_engine_to_a_decode_engine(
+        family: tuple[str, TinyModel, list[list[int]]]) -> None:
+    """Disaggregated: one engine computes the prompts, another decodes from their KV (a plain
+    copy between the pools here; the transports are tests/kv_transfer's, the whole path through
+    the server tests/e2e/test_families.py's)."""
+    _name, model, want = family
+    prefill, decode = model.engine(), model.engine()
+    try:
+        got = hand_over(prefill, decode, batch())
+        assert got == [w[:HANDOFF_TOKENS] for w in want]
+        assert prefill.blocks.num_used == 0 and decode.blocks.num_used == 0
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_a_prefix_one_engine_computed_is_read_from_the_kv_store_by_another(
+        family: tuple[str, TinyModel, list[list[int]]]) -> None:
+    _name, model, want = family
+    probe = model.engine(num_kv_blocks=4)
+    layout = dataclasses.replace(probe.handoff.layout, num_blocks=64)
+    probe.close()
+    store = HostKVStore.create(f"{STORE_PREFIX}families_{uuid.uuid4().hex[:8]}", layout)
+    tier = with_store(store.name)
+    a, b = model.engine(kv_tier=tier), model.engine(kv_tier=tier)
+    try:
+        prompt = batch()[4]  # 10 full blocks: 9 can come from the store, the last is computed
+        assert run_all(a, [prompt], N_TOKENS) == [want[4]]
+        assert run_all(b, [prompt], N_TOKENS) == [want[4]]
+        assert b.stats().kv_store_hits == 9 and b.stats().num_prompt_tokens_computed == 4
+    finally:
+        a.close()
+        b.close()
+        store.close()
+
+
+@pytest.mark.parametrize("weights", ["bfloat16", "int8"])
+def test_the_16_bit_and_int8_forms_build_and_stay_close(
+        tmp_path: Path, family: tuple[str, TinyModel, list[list[int]]], weights: str) -> None:
+    """Not token-equal (they round differently; docs/engines.md, "Data types"): each prompt's
+    first token is among HF's five likeliest in float32, most prompts' is HF's own."""
+    name, reference, want = family
+    if weights == "bfloat16" and not packable(torch.bfloat16):
+        pytest.skip("this CPU has no bfloat16 instructions (the builder refuses it)")
+    if weights == "int8" and (why := int8_supported()):
+        pytest.skip(why)
+    model = (make_family(name, tmp_path / "e", dtype="bfloat16") if weights == "bfloat16"
+             else make_family(name, tmp_path / "e", weights="int8"))
+    engine = model.engine()
+    try:
+        got = run_all(engine, batch(), 4)
+    finally:
+        engine.close()
+    with torch.no_grad():
+        likeliest = [set(reference.hf(torch.tensor([p])).logits[0, -1].topk(5).indices.tolist())
+                     for p in batch()]
+    assert all(g[0] in top for g, top in zip(got, likeliest, strict=True)), (got, likeliest)
+    assert sum(g[0] == w[0] for g, w in zip(got, want, strict=True)) >= 2, (got, want)
 
 
 def test_preempted_sequences_resume_equal_to_hf(
