@@ -31,6 +31,14 @@ class SamplingParams:
     stop_sequences: tuple[tuple[int, ...], ...] = ()
     bad_sequences: tuple[tuple[int, ...], ...] = ()
     return_log_probs: bool = False
+    # Structured output (python_backends.guides): the output is constrained to this guide's
+    # language; "" for none.
+    guide_type: str = ""
+    guide: str = ""
+
+    @property
+    def guided(self) -> bool:
+        return bool(self.guide_type)
 
     @property
     def greedy(self) -> bool:
@@ -44,4 +52,5 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
             or self.min_tokens > 0
             or bool(self.bad_sequences)
+            or self.guided
         )

@@ -455,6 +455,8 @@ CLIENT_INPUTS: dict[str, TensorSpec] = {name: TensorSpec(name, kind, optional=Tr
     ("priority", Kind.INT),
     ("cache_salt", Kind.TEXT),
     ("resume_ids", Kind.INTS),  # a request moved from another server: its tokens so far
+    ("guided_decoding_guide_type", Kind.TEXT),  # structured output: guides.GUIDE_TYPES
+    ("guided_decoding_guide", Kind.TEXT),  # its JSON schema, regex, grammar or choice list
 )}
 
 # Model name -> (its inputs, its outputs). Prefill takes an EngineRequest without the handoff.

@@ -41,6 +41,7 @@ WIDTH: dict[str, Any] = dict(vocab_size=49152, hidden_size=576, intermediate_siz
                              max_position_embeddings=2048, tie_word_embeddings=True,
                              eos_token_id=None)
 MOE: dict[str, Any] = dict(num_experts_per_tok=2)
+PARTIAL: dict[str, Any] = dict(partial_rotary_factor=0.75)  # Phi-4-mini's; taken, not declared
 
 
 def configs(layers: int) -> dict[str, Callable[[], Any]]:
@@ -57,7 +58,7 @@ def configs(layers: int) -> dict[str, Callable[[], Any]]:
         "qwen3": lambda: t.Qwen3Config(**w),
         "qwen3_moe": lambda: t.Qwen3MoeConfig(**w, **MOE, num_experts=8,
                                               moe_intermediate_size=768, norm_topk_prob=True),
-        "phi3": lambda: t.Phi3Config(**no_head, pad_token_id=0, partial_rotary_factor=0.75),
+        "phi3": lambda: t.Phi3Config(**no_head, pad_token_id=0, **PARTIAL),
         "gemma2": lambda: t.Gemma2Config(**w, query_pre_attn_scalar=64, sliding_window=128),
         "gemma3": lambda: t.Gemma3TextConfig(**w, query_pre_attn_scalar=64, sliding_window=128),
         "deepseek_v3": lambda: t.DeepseekV3Config(

@@ -155,7 +155,7 @@ class EngineLoop:
         else:
             try:
                 if isinstance(msg, _Handoff):
-                    self.engine.handoff.add(msg.seq, msg.num_kv_tokens, msg.pull)
+                    self.engine.add_handoff(msg.seq, msg.num_kv_tokens, msg.pull)
                 else:
                     self.engine.add(msg.seq)
             except ValueError as e:

@@ -12,7 +12,8 @@ import torch
 
 from python_backends.config import EngineConfig
 from python_backends.engine.block_manager import BlockManager
-from python_backends.engine.kv_handoff import KVHandoff
+from python_backends.engine.guided import GuideMatchers
+from python_backends.engine.kv_handoff import KVHandoff, KVPull
 from python_backends.engine.loader import kv_layout, load_model
 from python_backends.engine.model_runner import rank_runner
 from python_backends.engine.prefix_cache import KVTier, PrefixCache
@@ -95,14 +96,18 @@ class LLMEngine:
         enable_chunked_prefill: bool = True, waiting: WaitingQueue | None = None,
         kv_pool: torch.Tensor | None = None, group: RankGroup | None = None,
         enable_prefix_caching: bool = True, kv_tier: TierFactory | None = None,
-        speculation: SpeculationConfig | None = None,
+        speculation: SpeculationConfig | None = None, guides: GuideMatchers | None = None,
     ) -> None:
         """`model`: rank 0's. `kv_pool`: the pool KV transports see (see KVHandoff), a tensor of
         the whole-model layout. `group`: ranks 1..N-1 of a multi-rank engine, closed by
         `close`. `kv_tier`: makes the KV store tier behind the prefix cache from the pool and
         its layout (single-rank engines only: a multi-rank pool is split across processes).
-        `speculation`: drafts for greedy decoding (engine.speculative; default off)."""
+        `speculation`: drafts for greedy decoding (engine.speculative; default off).
+        `guides`: matchers for structured outputs (default: none; a guided request is then
+        refused as the engine has no tokenizer)."""
         self.config = config
+        self.guides = guides or GuideMatchers(None, config.model.vocab_size,
+                                              config.tokenizer.eos_token_ids)
         self.device = model.ctx.device
         self.devices = group.devices if group is not None else [self.device]  # rank r's
         whole = kv_layout(config, num_kv_blocks, whole=True)
@@ -148,8 +153,10 @@ class LLMEngine:
                 group.wait_ready()
             whole = kv_layout(config, num_kv_blocks, whole=True)
             pool = kv_pool(whole, devices[0]) if kv_pool is not None else None
+            guides = GuideMatchers(Path(engine_dir), config.model.vocab_size,
+                                   config.tokenizer.eos_token_ids)
             return cls(config, model, num_kv_blocks, enable_chunked_prefill, waiting, pool, group,
-                       enable_prefix_caching, kv_tier, speculation)
+                       enable_prefix_caching, kv_tier, speculation, guides)
         except BaseException:
             if group is not None:
                 group.close()
@@ -163,8 +170,16 @@ class LLMEngine:
             self.tier.close()
 
     def add(self, seq: Sequence) -> None:
-        """Queue a sequence; a ValueError if it can never fit."""
+        """Queue a sequence; a ValueError if it can never fit or follow its guide."""
+        self.scheduler.check_fits(seq)  # before the guide: a matcher is not free to make
+        self.guides.attach(seq)
         self.scheduler.add(seq)
+
+    def add_handoff(self, seq: Sequence, num_kv_tokens: int, pull: KVPull) -> None:
+        """A sequence whose first `num_kv_tokens` tokens' KV another instance computed, pulled
+        by `pull` (KVHandoff.add); a ValueError as for `add`."""
+        self.guides.attach(seq)
+        self.handoff.add(seq, num_kv_tokens, pull)
 
     def add_request(
         self, seq_id: str, prompt_ids: list[int], params: SamplingParams,

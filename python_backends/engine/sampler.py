@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from python_backends.engine.guided import mask_logits
 from python_backends.engine.sequence import Sequence
 from python_backends.params import SamplingParams
 
@@ -60,6 +61,9 @@ def sample(seqs: list[Sequence], head: HeadOutput) -> SampleResult:
     token_ids: list[int] = []
     logprobs_out: list[float] = []
     logits = logits.cpu()  # row by row from here, with each sequence's (CPU) generator
+    if any(s.matcher is not None for s in seqs):
+        logits = logits.clone()  # the head's own output is left as it was
+        mask_logits(seqs, logits)
     for i, seq in enumerate(seqs):
         token, lp = _sample_one(seq, logits[i])
         token_ids.append(token)

@@ -251,6 +251,8 @@ class Scheduler:
                     break
                 seq.num_computed_tokens += 1  # the confirmed draft token's KV is in the cache
             seq.output_ids.append(result.token_ids[row + j])
+            if seq.matcher is not None:
+                seq.matcher.consume_token(result.token_ids[row + j])
             if result.logprobs is not None:
                 seq.output_logprobs.append(result.logprobs[row + j])
             drawn += 1
@@ -317,6 +319,8 @@ def stop_reason(seq: Sequence, max_seq_len: int) -> FinishReason | None:
         for stop in p.stop_sequences:
             if len(stop) <= n and tuple(seq.output_ids[-len(stop) :]) == stop:
                 return FinishReason.STOP
+    if seq.matcher is not None and seq.matcher.is_stopped():  # its language allows no more
+        return FinishReason.STOP
     if n >= p.max_tokens or seq.num_tokens >= max_seq_len:
         return FinishReason.LENGTH
     return None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -59,6 +60,9 @@ class Sequence:
     # the engine's longest).
     ngrams: NgramIndex | None = field(default=None, repr=False)
     draft_limit: int | None = None
+    # Structured output: the llguidance matcher of a guided sequence (engine.guided), fed every
+    # token it appends.
+    matcher: Any = field(default=None, repr=False)
     _block_hashes: list[BlockHash] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:

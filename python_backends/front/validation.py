@@ -14,7 +14,9 @@ from typing import Any
 
 import numpy as np
 
+from python_backends import guides
 from python_backends.config import FAULT_INJECTION_ENV, EngineLimits
+from python_backends.guides import GUIDE_TYPES
 from python_backends.kv_transfer import TRANSPORTS
 from python_backends.params import SamplingParams
 from python_backends.wire import CLIENT_INPUTS, DEFAULT_TENANT, GenerationRequest, Kind
@@ -125,10 +127,13 @@ def parse_request(
             f"prompt of {len(prompt_ids)} tokens plus max_tokens {max_tokens} exceeds the "
             f"context length ({limits.max_seq_len} tokens)",
         )
+    guide_type, guide = _guide(inputs)
     params = dataclasses.replace(
         params,
         stop_sequences=_word_list(inputs, "stop_words", tokenize),
         bad_sequences=_word_list(inputs, "bad_words", tokenize),
+        guide_type=guide_type,
+        guide=guide,
     )
     resume_ids = _resume_ids(inputs, max_tokens, vocab_size)
     return GenerationRequest(
@@ -267,6 +272,38 @@ def _resume_ids(inputs: Mapping[str, np.ndarray], max_tokens: int,
     if bad:
         raise InvalidRequest("resume_ids", f"token id {bad[0]} is outside the vocabulary")
     return ids
+
+
+def _one_text(inputs: Mapping[str, np.ndarray], name: str) -> str | None:
+    if name not in inputs:
+        return None
+    arr = inputs[name]
+    if arr.size != 1:
+        raise InvalidRequest(name, f"expected one value, got {arr.size}")
+    return _text(name, arr.reshape(-1)[0])
+
+
+def _guide(inputs: Mapping[str, np.ndarray]) -> tuple[str, str]:
+    """(guide type, guide) of the structured-output inputs ("" and "": none), compiled once
+    here (guides.grammar, cached) so that a schema or grammar that cannot be one is refused
+    before any engine work."""
+    guide_type = _one_text(inputs, "guided_decoding_guide_type")
+    guide = _one_text(inputs, "guided_decoding_guide")
+    if guide_type is None:
+        if guide is not None:
+            raise InvalidRequest("guided_decoding_guide_type",
+                                 f"needed with guided_decoding_guide: one of {GUIDE_TYPES}")
+        return "", ""
+    if guide_type not in GUIDE_TYPES:
+        raise InvalidRequest("guided_decoding_guide_type",
+                             f"must be one of {', '.join(GUIDE_TYPES)}; got {guide_type!r}")
+    if guide is None and guide_type != "json":
+        raise InvalidRequest("guided_decoding_guide", f"needed for guide type {guide_type}")
+    try:
+        guides.grammar(guide_type, guide or "")
+    except guides.InvalidGuide as e:
+        raise InvalidRequest("guided_decoding_guide", f"not a valid {guide_type}: {e}") from None
+    return guide_type, guide or ""
 
 
 def _cache_salt(inputs: Mapping[str, np.ndarray], parameters: Mapping[str, Any]) -> str:

@@ -162,6 +162,8 @@ async def _openai(gw: Gateway, request: Request, parse: Callable[[Any], Generati
         inputs["cache_salt"] = gen.cache_salt
     if gen.ignore_eos:
         inputs["end_id"] = -1  # the ensemble's "no end token"
+    if gen.guide is not None:
+        inputs["guided_decoding_guide_type"], inputs["guided_decoding_guide"] = gen.guide
     upstream = BackendRequest(inputs, {"tenant": tenant}, route, endpoint)
     answer = Answer(gen, lambda t: str(gw.tokenizer.decode([t])))
     if gen.stream:

@@ -10,10 +10,12 @@ and meanings, which clients written for vLLM or SGLang send (vLLM's own benchmar
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from python_backends import guides
 from python_backends.gateway.errors import ApiError, invalid
 
 MAX_STOPS = 4  # OpenAI's limit
@@ -24,8 +26,11 @@ _SAMPLING: dict[str, type] = {"temperature": float, "top_p": float, "presence_pe
 VLLM_FIELDS = {"top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos",
                "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens",
                "spaces_between_special_tokens"}
+# Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older names.
+GUIDE_FIELDS = {"response_format", "structured_outputs", "guided_json", "guided_regex",
+                "guided_choice", "guided_grammar"}
 _COMMON = {"model", "stream", "stream_options", "stop", "max_tokens", "n", "user", "cache_salt",
-           "logprobs", *_SAMPLING, *VLLM_FIELDS}
+           "logprobs", *_SAMPLING, *VLLM_FIELDS, *GUIDE_FIELDS}
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "best_of", "suffix"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
 # Fields OpenAI defines that this server cannot honour (refused by name, with why).
@@ -34,7 +39,6 @@ _UNSUPPORTED = {
     "tools": "tool calls are not supported", "tool_choice": "tool calls are not supported",
     "functions": "function calls are not supported",
     "function_call": "function calls are not supported",
-    "response_format": "structured output is not supported",
     "parallel_tool_calls": "tool calls are not supported",
     "audio": "audio is not supported", "modalities": "only text is supported",
     "prediction": "predicted outputs are not supported",
@@ -62,6 +66,8 @@ class Generation:
     cache_salt: str | None = None
     ignore_eos: bool = False  # generate until max_tokens, whatever the end token
     include_stop: bool = False  # a matched stop string ends the text (vLLM's include_stop_str)
+    # Structured output: (guided_decoding_guide_type, guided_decoding_guide), or None.
+    guide: tuple[str, str] | None = None
 
 
 def parse_completion(body: Any) -> Generation:
@@ -145,7 +151,71 @@ def _common(raw: dict[str, Any], chat: bool) -> Generation:
     if raw.get("cache_salt") is not None:
         gen.cache_salt = _text("cache_salt", raw["cache_salt"])
     _vllm_fields(raw, gen)
+    gen.guide = _guide(raw)
     return gen
+
+
+def _guide(raw: dict[str, Any]) -> tuple[str, str] | None:
+    """The request's structured-output guide, compiled here (guides.grammar: cached) so that a
+    schema or grammar that cannot be one is a 400 naming the field before any engine work."""
+    given = [name for name in sorted(GUIDE_FIELDS) if raw.get(name) is not None]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise invalid(given[1], f"one structured output per request; {given[0]} gives one")
+    name = given[0]
+    value = raw[name]
+    if name == "response_format":
+        where, guide = _response_format(value)
+    elif name == "structured_outputs":
+        if not isinstance(value, dict) or len(value) != 1 or next(iter(value)) not in (
+                "json", "regex", "choice", "grammar"):
+            raise invalid(name, "one of json, regex, choice or grammar")
+        kind, inner = next(iter(value.items()))
+        where, guide = f"{name}.{kind}", _vllm_guide(f"{name}.{kind}", kind, inner)
+    else:
+        where, guide = name, _vllm_guide(name, name.removeprefix("guided_"), value)
+    if guide is None:
+        return None
+    try:
+        guides.grammar(*guide)
+    except guides.InvalidGuide as e:
+        raise invalid(where, f"not a valid {guide[0].replace('_', ' ')}: {e}") from None
+    return guide
+
+
+def _response_format(value: Any) -> tuple[str, tuple[str, str] | None]:
+    if not isinstance(value, dict) or value.get("type") not in ("text", "json_object",
+                                                                 "json_schema"):
+        raise invalid("response_format", "an object whose type is text, json_object or "
+                      "json_schema")
+    if value["type"] == "text":
+        return "response_format", None
+    if value["type"] == "json_object":
+        return "response_format", ("json", "")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+        raise invalid("response_format.json_schema", "an object with a `schema` object")
+    # strict or not, the output follows the schema: the engine cannot produce anything else
+    return "response_format.json_schema.schema", ("json_schema",
+                                                  json.dumps(spec.get("schema", {})))
+
+
+def _vllm_guide(where: str, kind: str, value: Any) -> tuple[str, str]:
+    if kind == "json":
+        if isinstance(value, str):
+            return "json_schema", value
+        if isinstance(value, dict):
+            return "json_schema", json.dumps(value)
+        raise invalid(where, "a JSON schema (an object, or a string holding one)")
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(
+                isinstance(c, str) for c in value):
+            raise invalid(where, "a non-empty list of strings")
+        return "choice", json.dumps(value)
+    if not isinstance(value, str) or not value:
+        raise invalid(where, "a non-empty string")
+    return ("regex", value) if kind == "regex" else ("ebnf_grammar", value)
 
 
 def _vllm_fields(raw: dict[str, Any], gen: Generation) -> None:
