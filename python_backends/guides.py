@@ -40,9 +40,12 @@ def grammar(guide_type: str, guide: str) -> str:
         text, fmt = guide, _FORMAT[guide_type]
         if guide_type in ("json_schema", "choice"):
             try:
-                json.loads(text)
+                value = json.loads(text)
             except ValueError as e:
                 raise InvalidGuide(f"not JSON: {e}") from None
+            if guide_type == "choice" and not (isinstance(value, list) and value and all(
+                    isinstance(c, str) for c in value)):
+                raise InvalidGuide("a choice is a JSON list of one or more strings")
     try:
         if fmt == "json_schema":
             # No free whitespace between JSON tokens: with it, a model can spend its whole

@@ -52,5 +52,4 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
             or self.min_tokens > 0
             or bool(self.bad_sequences)
-            or self.guided
         )

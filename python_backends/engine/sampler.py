@@ -38,7 +38,8 @@ class HeadOutput:
 
 def argmax_only(p: SamplingParams) -> bool:
     """Whether a row of `p` needs only its logits' argmax (so the model may screen them)."""
-    return p.greedy and not p.needs_logits_processing and not p.return_log_probs
+    return (p.greedy and not p.needs_logits_processing and not p.return_log_probs
+            and not p.guided)
 
 
 def sample(seqs: list[Sequence], head: HeadOutput) -> SampleResult:
@@ -49,6 +50,9 @@ def sample(seqs: list[Sequence], head: HeadOutput) -> SampleResult:
         return SampleResult(head.token_ids.tolist(), None)
     logits = head.logits
     assert logits is not None
+    if any(s.matcher is not None for s in seqs):  # guided rows: their grammar's tokens only
+        logits = logits.cpu().clone()  # the head's own output is left as it was
+        mask_logits(seqs, logits)
     if all(s.params.greedy and not s.params.needs_logits_processing for s in seqs):
         # max's indices, not argmax: the same first index of the largest value (NaN first), in
         # a fraction of argmax's time on the CPU.
@@ -61,9 +65,6 @@ def sample(seqs: list[Sequence], head: HeadOutput) -> SampleResult:
     token_ids: list[int] = []
     logprobs_out: list[float] = []
     logits = logits.cpu()  # row by row from here, with each sequence's (CPU) generator
-    if any(s.matcher is not None for s in seqs):
-        logits = logits.clone()  # the head's own output is left as it was
-        mask_logits(seqs, logits)
     for i, seq in enumerate(seqs):
         token, lp = _sample_one(seq, logits[i])
         token_ids.append(token)

@@ -177,7 +177,8 @@ class Scheduler:
         """A decoding sequence's draft for this step (engine.speculative): at most `budget`
         tokens, and none past the sequence's max_tokens or the engine's max_seq_len."""
         spec, p = self.speculation, seq.params
-        if not spec.enabled or not p.greedy or p.needs_logits_processing or seq.prefill_only:
+        if (not spec.enabled or not p.greedy or p.needs_logits_processing or p.guided
+                or seq.prefill_only):
             return ()
         if seq.ngrams is None:
             seq.ngrams = NgramIndex(spec.ngram_lengths)

@@ -2,6 +2,7 @@ import numpy as np
 import pytest
 
 from python_backends.config import EngineLimits
+from python_backends.engine import sampler
 from python_backends.front.validation import FAULT_PARAMETERS, InvalidRequest, parse_request
 from python_backends.wire import GenerationRequest
 
@@ -155,3 +156,35 @@ def test_bad_resume_ids_are_refused_by_name(ids: np.ndarray, message: str) -> No
         parse_request({"text_input": text("hi"), "max_tokens": i32(4), "resume_ids": ids},
                       {}, tokenize, LIMITS, (2,), vocab_size=100)
     assert e.value.field == "resume_ids"
+
+
+def test_a_guide_is_compiled_at_the_edge_and_carried_to_the_engines() -> None:
+    req = parse(text_input=text("x"), guided_decoding_guide_type=text("json_schema"),
+                guided_decoding_guide=text('{"type": "object"}'))
+    assert (req.params.guide_type, req.params.guide) == ("json_schema", '{"type": "object"}')
+    assert req.params.guided and not sampler.argmax_only(req.params)
+    assert GenerationRequest.from_json(req.to_json()) == req
+    assert parse(text_input=text("x"),
+                 guided_decoding_guide_type=text("json")).params.guide_type == "json"
+    assert not parse(text_input=text("x")).params.guided
+
+
+@pytest.mark.parametrize(("guide_type", "guide", "field"), [
+    ("xml", "<a/>", "guided_decoding_guide_type"),
+    ("regex", None, "guided_decoding_guide"),
+    ("regex", "((", "guided_decoding_guide"),
+    ("json_schema", "{not json", "guided_decoding_guide"),
+    ("json_schema", '{"type": "nonsense"}', "guided_decoding_guide"),
+    ("choice", '"not a list"', "guided_decoding_guide"),
+    (None, "[a-z]", "guided_decoding_guide_type"),
+])
+def test_a_guide_that_cannot_be_one_is_refused_by_name(guide_type: str | None,
+                                                        guide: str | None, field: str) -> None:
+    inputs = {"text_input": text("x")}
+    if guide_type is not None:
+        inputs["guided_decoding_guide_type"] = text(guide_type)
+    if guide is not None:
+        inputs["guided_decoding_guide"] = text(guide)
+    with pytest.raises(InvalidRequest) as e:
+        parse_inputs(inputs)
+    assert e.value.field == field, str(e.value)

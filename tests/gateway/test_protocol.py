@@ -3,6 +3,7 @@ name, with a 400 naming it."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -111,3 +112,39 @@ def test_a_body_that_is_not_an_object_is_refused() -> None:
     with pytest.raises(ApiError) as e:
         parse_chat(["not", "an", "object"])
     assert e.value.status == 400
+
+
+def test_structured_output_fields_map_to_the_ensembles_guide() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema, "strict": True}}
+    cases: list[tuple[dict[str, Any], tuple[str, str] | None]] = [
+        ({"response_format": fmt}, ("json_schema", json.dumps(schema))),
+        ({"response_format": {"type": "json_object"}}, ("json", "")),
+        ({"response_format": {"type": "text"}}, None),
+        ({"structured_outputs": {"json": schema}}, ("json_schema", json.dumps(schema))),
+        ({"guided_json": json.dumps(schema)}, ("json_schema", json.dumps(schema))),
+        ({"structured_outputs": {"regex": "[a-z]+"}}, ("regex", "[a-z]+")),
+        ({"guided_choice": ["a", "b"]}, ("choice", '["a", "b"]')),
+        ({"guided_grammar": 'root ::= "x"'}, ("ebnf_grammar", 'root ::= "x"')),
+    ]
+    for extra, guide in cases:
+        assert parse_chat({**CHAT, **extra}).guide == guide, extra
+
+
+@pytest.mark.parametrize(("extra", "field"), [
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": "x"}},
+     "response_format.json_schema"),
+    ({"structured_outputs": {"regex": "(("}}, "structured_outputs.regex"),
+    ({"structured_outputs": {"json": 3}}, "structured_outputs.json"),
+    ({"structured_outputs": {"xml": "x"}}, "structured_outputs"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_grammar": "root ::= ("}, "guided_grammar"),
+    ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "response_format"),
+])
+def test_structured_output_refusals_name_the_field(extra: dict[str, Any], field: str) -> None:
+    with pytest.raises(ApiError) as e:
+        parse_chat({**CHAT, **extra})
+    assert e.value.status == 400 and e.value.param == field, e.value.message
