@@ -175,6 +175,10 @@ class ModelConfig:
     def is_moe_layer(self, index: int) -> bool:
         return bool(self.num_experts) and index >= self.first_dense_layers
 
+    def is_windowed_layer(self, index: int) -> bool:
+        """Whether layer `index` (of the whole model) attends within the sliding window."""
+        return bool(self.sliding_window) and index not in self.global_layers
+
     @property
     def kv_cache_shape(self) -> tuple[int, int, int]:
         """(planes, KV heads, head size) of the whole model's cache per token and layer: K and V

@@ -74,7 +74,7 @@ class Attention(nn.Module):
         self.scale = cfg.attention_scale or cfg.head_dim**-0.5
         self.softcap = cfg.attn_logit_softcap
         # Where only some layers are windowed (Gemma), these read the step's windowed view.
-        self.windowed = bool(cfg.sliding_window) and index not in cfg.global_layers
+        self.windowed = cfg.is_windowed_layer(index)
         # [2, S, K, D]; bound by the model runner once the pool is allocated.
         self.kv_cache = torch.empty(0)
 
@@ -180,7 +180,7 @@ class DecoderModel(nn.Module):
                              if ctx.is_first_stage else None)
         layers = ctx.layout.stage_layers(cfg.num_layers, ctx.pp_rank)
         self.layers = nn.ModuleList(DecoderLayer(cfg, ctx, i) for i in layers)
-        self.windowed = [bool(cfg.sliding_window) and i not in cfg.global_layers for i in layers]
+        self.windowed = [cfg.is_windowed_layer(i) for i in layers]
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if ctx.is_last_stage else None
         self.embedding_multiplier = cfg.embedding_multiplier
         self.rotary_emb, self.local_rotary_emb = rotary_embeddings(cfg)
