@@ -22,6 +22,7 @@ class SamplingParams:
     temperature: float = 0.0  # 0 means greedy
     top_k: int = 0  # 0 means no top-k filter
     top_p: float = 1.0
+    min_p: float = 0.0  # tokens below min_p x the likeliest token's probability are dropped
     seed: int | None = None
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
@@ -31,6 +32,8 @@ class SamplingParams:
     stop_sequences: tuple[tuple[int, ...], ...] = ()
     bad_sequences: tuple[tuple[int, ...], ...] = ()
     return_log_probs: bool = False
+    # (token id, bias) pairs added to the logits before sampling (OpenAI's logit_bias)
+    logit_bias: tuple[tuple[int, float], ...] = ()
     # Structured output (python_backends.guides): the output is constrained to this guide's
     # language; "" for none.
     guide_type: str = ""
@@ -52,4 +55,5 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
             or self.min_tokens > 0
             or bool(self.bad_sequences)
+            or bool(self.logit_bias)
         )

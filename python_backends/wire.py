@@ -294,6 +294,7 @@ class GenerationRequest:
         p["end_ids"] = tuple(p["end_ids"])
         p["stop_sequences"] = tuple(tuple(s) for s in p["stop_sequences"])
         p["bad_sequences"] = tuple(tuple(s) for s in p["bad_sequences"])
+        p["logit_bias"] = tuple((int(t), float(b)) for t, b in p["logit_bias"])
         return cls(params=SamplingParams(**p), **d)
 
 
@@ -435,21 +436,25 @@ class StoreStatus(Message):
 CLIENT_INPUTS: dict[str, TensorSpec] = {name: TensorSpec(name, kind, optional=True)
                                       for name, kind in (
     ("text_input", Kind.TEXT),
+    ("input_ids", Kind.INTS),  # the prompt as token ids, instead of text_input
     ("max_tokens", Kind.INT),
     ("stream", Kind.BOOL),
     ("temperature", Kind.FLOAT),
     ("top_k", Kind.INT),
     ("top_p", Kind.FLOAT),
+    ("min_p", Kind.FLOAT),
     ("seed", Kind.UINT64),
     ("stop_words", Kind.TEXTS),
     ("bad_words", Kind.TEXTS),
     ("end_id", Kind.INT),
+    ("stop_token_ids", Kind.INTS),  # more ids that end the output, besides the end id
     ("pad_id", Kind.INT),
     ("min_tokens", Kind.INT),
     ("min_length", Kind.INT),  # genai-perf's name for min_tokens
     ("repetition_penalty", Kind.FLOAT),
     ("presence_penalty", Kind.FLOAT),
     ("frequency_penalty", Kind.FLOAT),
+    ("logit_bias", Kind.TEXT),  # JSON {"<token id>": bias}, as OpenAI's logit_bias
     ("exclude_input_in_output", Kind.BOOL),
     ("return_log_probs", Kind.BOOL),
     ("priority", Kind.INT),

@@ -1,4 +1,5 @@
-"""Token selection: penalties and bans, then greedy or temperature/top-k/top-p sampling.
+"""Token selection: penalties, biases and bans, then greedy or temperature/top-k/min-p/top-p
+sampling.
 
 Log-probabilities are those of the distribution the token was drawn from (after penalties and
 temperature, before top-k/top-p truncation), as the TensorRT-LLM backend reports them.
@@ -100,6 +101,9 @@ def process_logits(seq: Sequence, logits: torch.Tensor) -> torch.Tensor:
             torch.tensor(seq.output_ids, dtype=torch.long), minlength=logits.shape[0]
         ).to(logits.dtype)
         logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    if p.logit_bias:
+        ids, biases = zip(*p.logit_bias, strict=True)
+        logits[torch.tensor(ids, dtype=torch.long)] += torch.tensor(biases, dtype=logits.dtype)
     banned = _banned_tokens(seq, p)
     if banned:
         logits[torch.tensor(banned, dtype=torch.long)] = float("-inf")
@@ -124,6 +128,9 @@ def _truncated_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         kth = torch.topk(logits, p.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
+    if p.min_p > 0.0:
+        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+        probs /= probs.sum()
     if p.top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
         cumulative = sorted_probs.cumsum(0)

@@ -8,6 +8,7 @@ TensorRT-LLM one, so existing clients send the shapes they already send).
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -113,17 +114,14 @@ def parse_request(
                                              None)):
         raise InvalidRequest(fault, f"fault injection is off on this server (a server started "
                                     f"with {FAULT_INJECTION_ENV}=1 allows it)")
-    text = _prompt_text(inputs, limits)
+    prompt_ids = _prompt_ids(inputs, tokenize, limits, vocab_size)
     v = {name: _scalar(name, kind, inputs[name])
          for name, kind in SCALAR_INPUTS.items() if name in inputs}
-    prompt_ids = tokenize(text, True)
-    if not prompt_ids:
-        raise InvalidRequest("text_input", "tokenizes to no tokens")
     max_tokens = _max_tokens(v, len(prompt_ids), limits)
     params = _sampling_params(v, max_tokens, eos_ids)
     if len(prompt_ids) + max_tokens > limits.max_seq_len or max_tokens <= 0:
         raise InvalidRequest(
-            "text_input",
+            "input_ids" if "input_ids" in inputs else "text_input",
             f"prompt of {len(prompt_ids)} tokens plus max_tokens {max_tokens} exceeds the "
             f"context length ({limits.max_seq_len} tokens)",
         )
@@ -132,6 +130,8 @@ def parse_request(
         params,
         stop_sequences=_word_list(inputs, "stop_words", tokenize),
         bad_sequences=_word_list(inputs, "bad_words", tokenize),
+        end_ids=_end_ids(params.end_ids, inputs, vocab_size),
+        logit_bias=_logit_bias(inputs, vocab_size),
         guide_type=guide_type,
         guide=guide,
     )
@@ -164,9 +164,77 @@ def _check_names(inputs: Mapping[str, np.ndarray], parameters: Mapping[str, Any]
             )
 
 
+def _prompt_ids(inputs: Mapping[str, np.ndarray], tokenize: Tokenize, limits: EngineLimits,
+                vocab_size: int | None) -> list[int]:
+    """The prompt's token ids: `text_input` tokenized, or `input_ids` as they are."""
+    if "input_ids" not in inputs:
+        ids = tokenize(_prompt_text(inputs, limits), True)
+        if not ids:
+            raise InvalidRequest("text_input", "tokenizes to no tokens")
+        return ids
+    if "text_input" in inputs:
+        raise InvalidRequest("input_ids", "a prompt is text_input or input_ids, not both")
+    ids = _token_ids("input_ids", inputs["input_ids"], vocab_size)
+    if not ids:
+        raise InvalidRequest("input_ids", "must not be empty")
+    return ids
+
+
+def _token_ids(name: str, arr: np.ndarray, vocab_size: int | None) -> list[int]:
+    if arr.dtype.kind not in "iu":
+        raise InvalidRequest(name, f"expected an integer type, got {arr.dtype}")
+    ids = [int(t) for t in arr.reshape(-1)]
+    bad = next((t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)), None)
+    if bad is not None:
+        raise InvalidRequest(name, f"token id {bad} is outside the vocabulary (0-"
+                             f"{(vocab_size or 0) - 1})")
+    return ids
+
+
+def _end_ids(end_ids: tuple[int, ...], inputs: Mapping[str, np.ndarray],
+             vocab_size: int | None) -> tuple[int, ...]:
+    """The end ids with `stop_token_ids` added (these end the output even past `end_id` -1,
+    as vLLM's stop_token_ids do with ignore_eos)."""
+    if "stop_token_ids" not in inputs:
+        return end_ids
+    more = _token_ids("stop_token_ids", inputs["stop_token_ids"], vocab_size)
+    return tuple(dict.fromkeys((*end_ids, *more)))
+
+
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range: -100 (ban) .. 100 (force)
+
+
+def _logit_bias(inputs: Mapping[str, np.ndarray],
+                vocab_size: int | None) -> tuple[tuple[int, float], ...]:
+    """The `logit_bias` input: a JSON object {"<token id>": bias in [-100, 100]}."""
+    text = _one_text(inputs, "logit_bias")
+    if text is None:
+        return ()
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InvalidRequest("logit_bias", f"not JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise InvalidRequest("logit_bias", "expected a JSON object of token id -> bias")
+    out = []
+    for key, bias in raw.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise InvalidRequest("logit_bias", f"key {key!r} is not a token id") from None
+        if token < 0 or (vocab_size is not None and token >= vocab_size):
+            raise InvalidRequest("logit_bias", f"token id {token} is outside the vocabulary")
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or not (
+                -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
+            raise InvalidRequest("logit_bias", f"the bias of token {token} must be a number "
+                                 f"in [-100, 100], got {bias!r}")
+        out.append((token, float(bias)))
+    return tuple(sorted(out))
+
+
 def _prompt_text(inputs: Mapping[str, np.ndarray], limits: EngineLimits) -> str:
     if "text_input" not in inputs:
-        raise InvalidRequest("text_input", "is required")
+        raise InvalidRequest("text_input", "is required (or input_ids)")
     text_arr = inputs["text_input"]
     if text_arr.dtype != np.object_ and text_arr.dtype.kind not in "SU":
         raise InvalidRequest("text_input", f"expected BYTES, got {text_arr.dtype}")
@@ -206,6 +274,9 @@ def _sampling_params(v: Mapping[str, Any], max_tokens: int,
     top_p = v.get("top_p", 1.0)
     if not 0.0 < top_p <= 1.0:
         raise InvalidRequest("top_p", f"must be in (0, 1], got {top_p}")
+    min_p = v.get("min_p", 0.0)
+    if not 0.0 <= min_p <= 1.0:
+        raise InvalidRequest("min_p", f"must be in [0, 1], got {min_p}")
     top_k = v.get("top_k", 0)
     if top_k < 0:
         raise InvalidRequest("top_k", f"must be >= 0, got {top_k}")
@@ -230,6 +301,7 @@ def _sampling_params(v: Mapping[str, Any], max_tokens: int,
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,
+        min_p=min_p,
         seed=seed,
         repetition_penalty=repetition_penalty,
         presence_penalty=v.get("presence_penalty", 0.0),
@@ -261,16 +333,10 @@ def _resume_ids(inputs: Mapping[str, np.ndarray], max_tokens: int,
     `max_tokens`, which counts them."""
     if "resume_ids" not in inputs:
         return []
-    arr = inputs["resume_ids"]
-    if arr.dtype.kind not in "iu":
-        raise InvalidRequest("resume_ids", f"expected an integer type, got {arr.dtype}")
-    ids = [int(t) for t in arr.reshape(-1)]
+    ids = _token_ids("resume_ids", inputs["resume_ids"], vocab_size)
     if len(ids) >= max_tokens:
         raise InvalidRequest("resume_ids", f"{len(ids)} tokens leave nothing to generate "
                              f"within max_tokens {max_tokens}")
-    bad = [t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)]
-    if bad:
-        raise InvalidRequest("resume_ids", f"token id {bad[0]} is outside the vocabulary")
     return ids
 
 

@@ -94,3 +94,20 @@ def test_bans_bad_words_and_end_id_before_min_tokens() -> None:
     s.output_ids = [3, 3]
     out = process_logits(s, logits.clone())
     assert out[0] == 5.0  # min_tokens reached: the end id is allowed again
+
+
+def test_logit_bias_moves_the_greedy_choice_and_bans() -> None:
+    logits = torch.tensor([[5.0, 4.0, 3.0, 2.0]])
+    forced = seq(SamplingParams(max_tokens=4, logit_bias=((3, 100.0),)))
+    assert sample([forced], HeadOutput(logits=logits)).token_ids == [3]
+    banned = seq(SamplingParams(max_tokens=4, logit_bias=((0, -100.0), (1, -100.0))))
+    assert sample([banned], HeadOutput(logits=logits)).token_ids == [2]
+    assert not argmax_only(banned.params)
+
+
+def test_min_p_drops_tokens_below_its_share_of_the_likeliest() -> None:
+    # probabilities ~ 0.64, 0.24, 0.09, 0.03: min_p 0.2 keeps tokens 0 and 1 only
+    logits = torch.tensor([[3.0, 2.0, 1.0, -0.2]])
+    p = seq(SamplingParams(max_tokens=4, temperature=1.0, min_p=0.2, seed=5))
+    draws = {sample([p], HeadOutput(logits=logits)).token_ids[0] for _ in range(60)}
+    assert draws == {0, 1}

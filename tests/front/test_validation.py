@@ -188,3 +188,42 @@ def test_a_guide_that_cannot_be_one_is_refused_by_name(guide_type: str | None,
     with pytest.raises(InvalidRequest) as e:
         parse_inputs(inputs)
     assert e.value.field == field, str(e.value)
+
+
+def ids(*values: int) -> np.ndarray:
+    return np.array([list(values)], dtype=np.int32)
+
+
+def test_token_id_prompts_bias_min_p_and_stop_token_ids_reach_the_engine() -> None:
+    req = parse_request({"input_ids": ids(5, 6, 7), "stop_token_ids": ids(9, 2),
+                         "logit_bias": text('{"7": -100, "3": 2.5}'), "min_p": f32(0.25),
+                         "temperature": f32(1.0)}, {}, tokenize, LIMITS, (2,), vocab_size=100)
+    assert req.prompt_ids == [5, 6, 7]
+    assert req.params.end_ids == (2, 9)
+    assert req.params.logit_bias == ((3, 2.5), (7, -100.0))
+    assert req.params.min_p == 0.25
+    assert GenerationRequest.from_json(req.to_json()) == req
+    # stop_token_ids still end the output when the end token does not (ignore_eos)
+    no_eos = parse(input_ids=ids(5), end_id=i32(-1), stop_token_ids=ids(9))
+    assert no_eos.params.end_ids == (9,)
+
+
+@pytest.mark.parametrize(("inputs", "field", "message"), [
+    ({"input_ids": ids(5), "text_input": text("x")}, "input_ids", "not both"),
+    ({"input_ids": np.zeros((1, 0), dtype=np.int32)}, "input_ids", "must not be empty"),
+    ({"input_ids": ids(5, 100)}, "input_ids", "token id 100 is outside"),
+    ({"input_ids": np.array([[1.0]], dtype=np.float32)}, "input_ids", "integer"),
+    ({"input_ids": ids(*range(60)), "max_tokens": i32(8)}, "input_ids", "context length"),
+    ({"text_input": text("x"), "stop_token_ids": ids(-1)}, "stop_token_ids", "outside"),
+    ({"text_input": text("x"), "logit_bias": text("[1]")}, "logit_bias", "JSON object"),
+    ({"text_input": text("x"), "logit_bias": text('{"a": 1}')}, "logit_bias", "not a token"),
+    ({"text_input": text("x"), "logit_bias": text('{"100": 1}')}, "logit_bias", "outside"),
+    ({"text_input": text("x"), "logit_bias": text('{"1": 101}')}, "logit_bias", "-100, 100"),
+    ({"text_input": text("x"), "logit_bias": text("{")}, "logit_bias", "not JSON"),
+    ({"text_input": text("x"), "min_p": f32(1.5)}, "min_p", r"\[0, 1\]"),
+])
+def test_bad_ids_biases_and_min_p_are_refused_by_name(inputs: dict[str, np.ndarray], field: str,
+                                                      message: str) -> None:
+    with pytest.raises(InvalidRequest, match=message) as e:
+        parse_request(inputs, {}, tokenize, LIMITS, (2,), vocab_size=100)
+    assert e.value.field == field
