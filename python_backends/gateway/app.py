@@ -11,7 +11,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.applications import Starlette
@@ -20,15 +20,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from python_backends.gateway.backends import BackendPool
+from python_backends.gateway.backends import Backend, BackendPool
 from python_backends.gateway.config import GatewayConfig
 from python_backends.gateway.errors import ApiError
 from python_backends.gateway.metrics import GatewayMetrics
 from python_backends.gateway.protocol import Generation, parse_chat, parse_completion
-from python_backends.gateway.responses import Answer
+from python_backends.gateway.responses import Answer, Choice
 from python_backends.gateway.service import BackendRequest, Call, Gateway
 from python_backends.gateway.sse import EventStream
 from python_backends.gateway.stops import StopMatcher
+from python_backends.gateway.tools import ToolCalls
 from python_backends.gateway.triton import ENSEMBLE, Piece
 from python_backends.wire import CLIENT_INPUTS
 
@@ -45,6 +46,7 @@ class Delta:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str | None
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # completed by this delta
 
 
 def create_app(config: GatewayConfig, tokenizer: Any = None) -> Starlette:
@@ -148,15 +150,49 @@ async def _openai(gw: Gateway, request: Request, parse: Callable[[Any], Generati
         _check_model(gw, gen.model)
         tenant = gw.tenant(dict(request.headers), gen.user)
         if gen.chat:
-            gen.prompt = gw.chat_prompt(gen.messages)
-        token_ids = gw.tokens(gen.prompt, tenant)
-        gw.admit(tenant, len(token_ids), gen.max_tokens)
+            gen.prompts = [gw.chat_prompt(gen.messages, gen.tools, gen.tool_choice)]
+        token_ids = [gw.tokens(p, tenant) for p in gen.prompts]
+        gw.admit(tenant, sum(map(len, token_ids)), gen.max_tokens,
+                 choices=len(gen.prompts) * gen.best_of)
     route = gw.route_request(tenant, gen.user, request.headers.get(REGION_HEADER, ""),
-                             token_ids, gen.cache_salt)
-    inputs: dict[str, Any] = {"text_input": gen.prompt, "stream": True, **gen.sampling}
+                             token_ids[0], gen.cache_salt)
+    answer = Answer(gen, lambda t: str(gw.tokenizer.decode([t])))
+    # per prompt, its choices' requests: the first is sent alone, the others once it has
+    # answered, to the same server, where the prompt's KV blocks are in the prefix cache
+    requests = []
+    for i, prompt in enumerate(gen.prompts):
+        requests.append([BackendRequest(_inputs(gen, prompt, j), {"tenant": tenant}, route,
+                                        endpoint) for j in range(gen.best_of)])
+        answer.choices += [Choice(i * gen.best_of + j, i, tools=_tool_reader(gen))
+                           for j in range(gen.best_of)]
+    echoes = [_echo(gw, gen, p) for p in gen.prompts]
+    if gen.stream:
+        calls = await _open_calls(gw, requests, arrived)
+        return EventStream(_sse(gw, calls, answer, endpoint, echoes))
+
+    async def collect(calls: list[Call]) -> None:
+        calls += await _open_calls(gw, requests, arrived)
+
+        async def one(call: Call, choice: Choice) -> None:
+            choice.text = echoes[choice.prompt_index]
+            async for d in _relay(call, choice, gen):
+                _add(choice, d)
+
+        await asyncio.gather(*(one(c, ch) for c, ch in zip(calls, answer.choices, strict=True)))
+
+    await _whole(gw, request, endpoint, collect)
+    return JSONResponse(answer.whole(_best(answer)))
+
+
+def _inputs(gen: Generation, prompt: str | list[int], choice: int) -> dict[str, Any]:
+    """The ensemble inputs of one choice of `prompt`."""
+    inputs: dict[str, Any] = {"stream": True, **gen.sampling}
+    inputs["text_input" if isinstance(prompt, str) else "input_ids"] = prompt
+    if "seed" in inputs:  # choices of one seeded request differ, and repeat as a whole
+        inputs["seed"] += choice
     if gen.max_tokens is not None:
         inputs["max_tokens"] = gen.max_tokens
-    if gen.logprobs:
+    if gen.logprobs or gen.best_of > gen.n:  # best_of ranks by cumulative log-probability
         inputs["return_log_probs"] = True
     if gen.cache_salt is not None:
         inputs["cache_salt"] = gen.cache_salt
@@ -164,79 +200,166 @@ async def _openai(gw: Gateway, request: Request, parse: Callable[[Any], Generati
         inputs["end_id"] = -1  # the ensemble's "no end token"
     if gen.guide is not None:
         inputs["guided_decoding_guide_type"], inputs["guided_decoding_guide"] = gen.guide
-    upstream = BackendRequest(inputs, {"tenant": tenant}, route, endpoint)
-    answer = Answer(gen, lambda t: str(gw.tokenizer.decode([t])))
-    if gen.stream:
-        call = await gw.open(upstream, arrived)
-        return EventStream(_sse(gw, call, answer, endpoint))
-
-    async def collect(call: Call) -> None:
-        async for d in _relay(call, answer):
-            _add(answer, d)
-
-    await _whole(gw, request, upstream, arrived, collect)
-    return JSONResponse(answer.whole())
+    return inputs
 
 
-async def _relay(call: Call, answer: Answer) -> AsyncIterator[Delta]:
-    """The call's pieces as what the client may see: stop strings cut the text (and end the
-    call), held-back text goes out at the end."""
-    stops = StopMatcher(answer.gen.stops, answer.gen.include_stop)
+def _tool_reader(gen: Generation) -> ToolCalls | None:
+    if not gen.chat or gen.tool_choice == "none":
+        return None
+    return ToolCalls(frozenset(f["name"] for f in gen.tools))
+
+
+def _echo(gw: Gateway, gen: Generation, prompt: str | list[int]) -> str:
+    """completions `echo`: the text each choice of `prompt` begins with."""
+    if not gen.echo:
+        return ""
+    return prompt if isinstance(prompt, str) else str(gw.tokenizer.decode(prompt))
+
+
+def _best(answer: Answer) -> list[Choice]:
+    """`best_of`: per prompt, the n choices of highest cumulative log-probability."""
+    gen = answer.gen
+    if gen.best_of == gen.n:
+        return answer.choices
+    best = []
+    for i in range(len(gen.prompts)):
+        of_prompt = [c for c in answer.choices if c.prompt_index == i]
+        best += sorted(of_prompt, key=lambda c: -c.cumulative_logprob)[:gen.n]
+    return best
+
+
+async def _open_calls(gw: Gateway, requests: list[list[BackendRequest]],
+                      arrived: float) -> list[Call]:
+    """The calls of every choice, in order. Per prompt, its first call alone, then the rest
+    on the same server once the first has answered (its prompt is in the prefix cache then:
+    `n` choices compute it once). A failure closes what was opened."""
+    opened: list[list[Call]] = [[] for _ in requests]
+
+    async def of_prompt(i: int) -> None:
+        first = await gw.open(requests[i][0], arrived)
+        opened[i].append(first)
+        for call in await asyncio.gather(*(gw.open(r, arrived, prefer=first.backend.name)
+                                           for r in requests[i][1:]),
+                                         return_exceptions=True):
+            if isinstance(call, BaseException):
+                raise call
+            opened[i].append(call)
+
+    try:
+        await asyncio.gather(*(of_prompt(i) for i in range(len(requests))))
+    except BaseException:
+        for calls in opened:
+            for call in calls:
+                await call.close()
+        raise
+    return [call for calls in opened for call in calls]
+
+
+async def _relay(call: Call, choice: Choice, gen: Generation) -> AsyncIterator[Delta]:
+    """The call's pieces as what the client may see of `choice`: stop strings cut the text
+    (and end the call), held-back text goes out at the end, tool calls are read out of it."""
+    stops = StopMatcher(gen.stops, gen.include_stop)
     async for piece in call.pieces():
-        answer.prompt_tokens = piece.num_input_tokens or answer.prompt_tokens
-        answer.completion_tokens = piece.num_output_tokens or answer.completion_tokens
+        choice.prompt_tokens = piece.num_input_tokens or choice.prompt_tokens
+        choice.completion_tokens = piece.num_output_tokens or choice.completion_tokens
         text = stops.feed(piece.text)
         finish = "stop" if stops.stopped else (piece.finish_reason or None)
         if finish and not stops.stopped:
             text += stops.flush()
-        yield Delta(text, piece.token_ids, piece.logprobs, finish)
+        calls: list[dict[str, Any]] = []
+        if choice.tools is not None:
+            text, calls = choice.tools.feed(text)
+            if finish:
+                text += choice.tools.flush()
+                if finish == "stop" and choice.tools.calls:
+                    finish = "tool_calls"
+        yield Delta(text, piece.token_ids, piece.logprobs, finish, calls)
         if finish:
             return
 
 
-def _add(answer: Answer, d: Delta) -> None:
-    answer.text += d.text
-    answer.token_ids += d.token_ids
-    answer.logprobs += d.logprobs
-    answer.finish_reason = d.finish_reason
+def _add(choice: Choice, d: Delta) -> None:
+    choice.text += d.text
+    choice.token_ids += d.token_ids
+    choice.logprobs += d.logprobs
+    choice.finish_reason = d.finish_reason
 
 
-async def _sse(gw: Gateway, call: Call, answer: Answer, endpoint: str) -> AsyncIterator[str]:
-    async def events() -> AsyncIterator[str]:
+async def _sse(gw: Gateway, calls: list[Call], answer: Answer, endpoint: str,
+               echoes: list[str]) -> AsyncIterator[str]:
+    async def events_of(call: Call, choice: Choice) -> AsyncIterator[str]:
         first = True
-        async for d in _relay(call, answer):
-            if d.text or d.finish_reason or first:
-                event = answer.chunk(d.text, d.token_ids, d.logprobs, d.finish_reason, first)
+        async for d in _relay(call, choice, answer.gen):
+            if first:
+                d.text = echoes[choice.prompt_index] + d.text
+            if d.text or d.finish_reason or d.tool_calls or first:
+                event = answer.chunk(choice, d.text, d.token_ids, d.logprobs, d.finish_reason,
+                                     first, d.tool_calls)
                 yield f"data: {json.dumps(event)}\n\n"
                 first = False
-            _add(answer, d)
+            _add(choice, d)
+
+    async def events() -> AsyncIterator[str]:
+        streams = [events_of(c, ch) for c, ch in zip(calls, answer.choices, strict=True)]
+        async for event in (streams[0] if len(streams) == 1 else _merged(streams)):
+            yield event
         if answer.gen.include_usage:
             yield f"data: {json.dumps(answer.usage_chunk())}\n\n"
 
-    async for event in _counted(gw, call, endpoint, events(),
+    async for event in _counted(gw, calls, endpoint, events(),
                                 lambda e: f"data: {json.dumps(e.body())}\n\n"):
         yield event
     yield SSE_DONE
 
 
-async def _counted(gw: Gateway, call: Call, endpoint: str, events: AsyncIterator[str],
+async def _merged(streams: list[AsyncIterator[str]]) -> AsyncIterator[str]:
+    """The items of several streams as each comes; the first failure ends all of them."""
+    queue: asyncio.Queue[tuple[str | None, BaseException | None]] = asyncio.Queue()
+
+    async def drain(stream: AsyncIterator[str]) -> None:
+        try:
+            async for item in stream:
+                await queue.put((item, None))
+            await queue.put((None, None))
+        except Exception as e:
+            await queue.put((None, e))
+
+    tasks = [asyncio.create_task(drain(s)) for s in streams]
+    try:
+        for _ in range(len(tasks)):
+            while True:
+                item, error = await queue.get()
+                if error is not None:
+                    raise error
+                if item is None:
+                    break
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _counted(gw: Gateway, calls: list[Call], endpoint: str, events: AsyncIterator[str],
                    error_event: Callable[[ApiError], str]) -> AsyncIterator[str]:
     """A streamed answer's events, its status counted once (200; the error's, sent as a last
-    event since the stream has begun; 499 when the client went away) and the call closed
+    event since the stream has begun; 499 when the client went away) and the calls closed
     however the stream ends: a client that goes away ends the request on the server."""
+    backend = calls[0].backend
     try:
         async for event in events:
             yield event
-        gw.metrics.count(endpoint, call.backend, 200)
+        gw.metrics.count(endpoint, backend, 200)
     except (GeneratorExit, asyncio.CancelledError):
-        gw.metrics.count(endpoint, call.backend, CLIENT_CLOSED)
+        gw.metrics.count(endpoint, backend, CLIENT_CLOSED)
         raise
     except Exception as e:
         error = e if isinstance(e, ApiError) else _internal(e)
-        gw.metrics.count(endpoint, call.backend, error.status)
+        gw.metrics.count(endpoint, backend, error.status)
         yield error_event(error)
     finally:
-        await call.close()
+        for call in calls:
+            await call.close()
 
 
 def _internal(e: Exception) -> ApiError:
@@ -244,21 +367,18 @@ def _internal(e: Exception) -> ApiError:
     return ApiError(500, f"the gateway failed: {type(e).__name__}: {e}")
 
 
-async def _whole(gw: Gateway, request: Request, upstream: BackendRequest, arrived: float,
-                 consume: Callable[[Call], Coroutine[Any, Any, None]]) -> None:
-    """Open a call for `upstream` and `consume` its whole answer; a client that goes away
-    meanwhile, while a server is chosen included, cancels it on the server (Triton's own
-    /generate cannot notice that, docs/operations.md). Counts the status once and closes the
-    call."""
-    endpoint = upstream.endpoint
-    call: Call | None = None
+async def _whole(gw: Gateway, request: Request, endpoint: str,
+                 work: Callable[[list[Call]], Coroutine[Any, Any, None]]) -> None:
+    """Run `work`, which opens calls (adding them to the list it is given) and consumes their
+    whole answers; a client that goes away meanwhile, while a server is chosen included,
+    cancels them on the server (Triton's own /generate cannot notice that,
+    docs/operations.md). Counts the status once and closes the calls."""
+    calls: list[Call] = []
 
-    async def work() -> None:
-        nonlocal call
-        call = await gw.open(upstream, arrived)
-        await consume(call)
+    def backend() -> Backend | None:
+        return calls[0].backend if calls else None
 
-    task = asyncio.create_task(work())
+    task = asyncio.create_task(work(calls))
     try:
         while not task.done():
             await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
@@ -266,20 +386,19 @@ async def _whole(gw: Gateway, request: Request, upstream: BackendRequest, arrive
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-                gw.metrics.count(endpoint, call.backend if call else None, CLIENT_CLOSED)
+                gw.metrics.count(endpoint, backend(), CLIENT_CLOSED)
                 raise ApiError(CLIENT_CLOSED, "the client went away")
         try:
             task.result()
         except ApiError as e:
-            if call is not None:  # a refusal before any call was counted where it happened
-                gw.metrics.count(endpoint, call.backend, e.status)
+            if calls:  # a refusal before any call was counted where it happened
+                gw.metrics.count(endpoint, backend(), e.status)
             raise
-        assert call is not None
-        gw.metrics.count(endpoint, call.backend, 200)
+        gw.metrics.count(endpoint, backend(), 200)
     finally:
         if not task.done():
             task.cancel()
-        if call is not None:
+        for call in calls:
             await call.close()
 
 
@@ -308,15 +427,16 @@ async def _kserve(gw: Gateway, request: Request, model: str, streaming: bool) ->
     upstream = BackendRequest({**inputs, "stream": streaming}, parameters, route, endpoint)
     if streaming:
         call = await gw.open(upstream, arrived)
-        events = _counted(gw, call, endpoint, _kserve_events(call),
+        events = _counted(gw, [call], endpoint, _kserve_events(call),
                           lambda e: f"data: {json.dumps({'error': e.message})}\n\n")
         return EventStream(events)
     pieces: list[Piece] = []
 
-    async def collect(call: Call) -> None:  # the whole answer is the first piece
-        pieces.extend([p async for p in call.pieces()])
+    async def collect(calls: list[Call]) -> None:  # the whole answer is the first piece
+        calls.append(await gw.open(upstream, arrived))
+        pieces.extend([p async for p in calls[0].pieces()])
 
-    await _whole(gw, request, upstream, arrived, collect)
+    await _whole(gw, request, endpoint, collect)
     return JSONResponse(_kserve_outputs(pieces[-1]))
 
 

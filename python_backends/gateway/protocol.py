@@ -16,30 +16,32 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from python_backends import guides
+from python_backends.gateway import tools
 from python_backends.gateway.errors import ApiError, invalid
 
 MAX_STOPS = 4  # OpenAI's limit
+MAX_CHOICES = 16  # n and best_of, per prompt
+MAX_PROMPTS = 64  # prompts in one completions request
+MAX_PRIORITY = 9  # the server's priorities: 0 (default, last) .. 9 (first)
 # Sampling fields passed to the ensemble under the same name, with their JSON type.
 _SAMPLING: dict[str, type] = {"temperature": float, "top_p": float, "presence_penalty": float,
                               "frequency_penalty": float, "seed": int}
 # vLLM's extra fields this server takes (docs/gateway.md lists what each maps to).
 VLLM_FIELDS = {"top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos",
                "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens",
-               "spaces_between_special_tokens"}
+               "spaces_between_special_tokens", "priority"}
 # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older names.
 GUIDE_FIELDS = {"response_format", "structured_outputs", "guided_json", "guided_regex",
                 "guided_choice", "guided_grammar"}
+TOOL_FIELDS = {"tools", "tool_choice", "parallel_tool_calls"}
 _COMMON = {"model", "stream", "stream_options", "stop", "max_tokens", "n", "user", "cache_salt",
-           "logprobs", *_SAMPLING, *VLLM_FIELDS, *GUIDE_FIELDS}
+           "logprobs", "logit_bias", *_SAMPLING, *VLLM_FIELDS, *GUIDE_FIELDS}
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "best_of", "suffix"}
-CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
+CHAT_FIELDS = _COMMON | TOOL_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
 # Fields OpenAI defines that this server cannot honour (refused by name, with why).
 _UNSUPPORTED = {
-    "logit_bias": "token biases are not supported",
-    "tools": "tool calls are not supported", "tool_choice": "tool calls are not supported",
-    "functions": "function calls are not supported",
-    "function_call": "function calls are not supported",
-    "parallel_tool_calls": "tool calls are not supported",
+    "functions": "function calls are not supported: use tools",
+    "function_call": "function calls are not supported: use tool_choice",
     "audio": "audio is not supported", "modalities": "only text is supported",
     "prediction": "predicted outputs are not supported",
     "reasoning_effort": "this model does not reason", "store": "responses are not stored",
@@ -54,13 +56,18 @@ class Generation:
 
     model: str
     chat: bool
-    prompt: str = ""  # the completion prompt (chat: set from `messages` by the template)
-    messages: list[dict[str, str]] = field(default_factory=list)
+    # completions: the prompts, each text or token ids; chat: set from `messages` by the template
+    prompts: list[str | list[int]] = field(default_factory=list)
+    messages: list[dict[str, Any]] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
     max_tokens: int | None = None
     stops: list[str] = field(default_factory=list)
-    sampling: dict[str, float | int] = field(default_factory=dict)
+    # ensemble inputs of the sampling fields (their names and values as the ensemble takes them)
+    sampling: dict[str, Any] = field(default_factory=dict)
+    n: int = 1  # choices returned per prompt
+    best_of: int = 1  # choices generated per prompt (the n likeliest are returned)
+    echo: bool = False  # completions: the prompt's text begins each choice's text
     logprobs: bool = False
     user: str | None = None
     cache_salt: str | None = None
@@ -68,22 +75,30 @@ class Generation:
     include_stop: bool = False  # a matched stop string ends the text (vLLM's include_stop_str)
     # Structured output: (guided_decoding_guide_type, guided_decoding_guide), or None.
     guide: tuple[str, str] | None = None
+    tools: list[dict[str, Any]] = field(default_factory=list)  # the functions, as given
+    # "none", "auto", "required", or the name of the function that must be called
+    tool_choice: str = "none"
+
+    @property
+    def prompt(self) -> str | list[int]:
+        return self.prompts[0]
 
 
 def parse_completion(body: Any) -> Generation:
     raw = _object(body, COMPLETION_FIELDS)
     gen = _common(raw, chat=False)
-    prompt = raw.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, list):
-        raise invalid("prompt", "one prompt per request (a string); batches and token ids are "
-                      "not supported")
-    gen.prompt = _text("prompt", prompt)
-    if raw.get("echo"):
-        raise invalid("echo", "echoing the prompt is not supported")
-    if raw.get("best_of") not in (None, 1):
-        raise invalid("best_of", "only 1 is supported")
+    gen.prompts = _prompts(raw.get("prompt"))
+    gen.echo = _bool("echo", raw.get("echo", False))
+    if raw.get("best_of") is not None:
+        gen.best_of = _int("best_of", raw["best_of"], lo=1)
+        if gen.best_of < gen.n:
+            raise invalid("best_of", f"must be at least n ({gen.n}), got {gen.best_of}")
+        if gen.best_of > MAX_CHOICES:
+            raise invalid("best_of", f"at most {MAX_CHOICES}")
+        if gen.best_of > gen.n and gen.stream:
+            raise invalid("best_of", "a stream cannot choose among choices: use best_of = n")
+    else:
+        gen.best_of = gen.n
     if raw.get("suffix") is not None:
         raise invalid("suffix", "insertion is not supported")
     logprobs = raw.get("logprobs")
@@ -93,12 +108,30 @@ def parse_completion(body: Any) -> Generation:
             raise invalid("logprobs", "the engine gives the sampled token's log-probability "
                           "only: use 0 or 1")
         gen.logprobs = True
+        if gen.echo:
+            raise invalid("echo", "the prompt's log-probabilities are not computed: echo "
+                          "without logprobs")
     return gen
 
 
 def parse_chat(body: Any) -> Generation:
     raw = _object(body, CHAT_FIELDS)
     gen = _common(raw, chat=True)
+    gen.best_of = gen.n
+    gen.tools = tools.parse_tools(raw.get("tools"))
+    gen.tool_choice = tools.parse_tool_choice(raw.get("tool_choice"), gen.tools)
+    if raw.get("parallel_tool_calls") is not None:
+        _bool("parallel_tool_calls", raw["parallel_tool_calls"])  # several calls are allowed
+    if gen.tool_choice not in ("none", "auto"):
+        if gen.guide is not None:
+            raise invalid("tool_choice", "a required tool call is itself a structured output:"
+                          " it cannot be combined with response_format or structured_outputs")
+        gen.guide = ("ebnf_grammar", tools.call_grammar(gen.tools, gen.tool_choice))
+        try:
+            guides.grammar(*gen.guide)
+        except guides.InvalidGuide as e:
+            raise invalid("tools", f"a function's parameters are not a schema the output "
+                          f"can follow: {e}") from None
     gen.messages = _messages(raw.get("messages"))
     if raw.get("max_completion_tokens") is not None:
         gen.max_tokens = _int("max_completion_tokens", raw["max_completion_tokens"], lo=1)
@@ -111,6 +144,32 @@ def parse_chat(body: Any) -> Generation:
         raise invalid("top_logprobs", "alternatives are not available: the engine gives the "
                       "sampled token's log-probability only (use logprobs: true)")
     return gen
+
+
+def _prompts(prompt: Any) -> list[str | list[int]]:
+    """OpenAI's four prompt shapes: a string, a list of strings, token ids, lists of them."""
+    if isinstance(prompt, str) or _is_ids(prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(
+            isinstance(p, str) or _is_ids(p) for p in prompt):
+        prompts = list(prompt)
+    else:
+        raise invalid("prompt", "a string, a list of strings, a list of token ids, or a list "
+                      "of such lists")
+    if len(prompts) > MAX_PROMPTS:
+        raise invalid("prompt", f"at most {MAX_PROMPTS} prompts per request")
+    for i, p in enumerate(prompts):
+        where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        if not p:
+            raise invalid(where, "must not be empty")
+        if isinstance(p, list) and min(p) < 0:
+            raise invalid(where, f"token id {min(p)} is not in the vocabulary")
+    return prompts
+
+
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
 def _object(body: Any, known: set[str]) -> dict[str, Any]:
@@ -139,8 +198,10 @@ def _common(raw: dict[str, Any], chat: bool) -> Generation:
                                   options.get("include_usage", False))
     if raw.get("max_tokens") is not None:
         gen.max_tokens = _int("max_tokens", raw["max_tokens"], lo=1)
-    if raw.get("n") not in (None, 1):
-        raise invalid("n", "only one choice per request is supported")
+    if raw.get("n") is not None:
+        gen.n = _int("n", raw["n"], lo=1)
+        if gen.n > MAX_CHOICES:
+            raise invalid("n", f"at most {MAX_CHOICES}")
     gen.stops = _stops(raw.get("stop"))
     for name, kind in _SAMPLING.items():
         if raw.get(name) is not None:
@@ -150,9 +211,25 @@ def _common(raw: dict[str, Any], chat: bool) -> Generation:
         gen.user = _text("user", raw["user"])
     if raw.get("cache_salt") is not None:
         gen.cache_salt = _text("cache_salt", raw["cache_salt"])
+    if raw.get("logit_bias") is not None:
+        gen.sampling["logit_bias"] = json.dumps(_logit_bias(raw["logit_bias"]))
     _vllm_fields(raw, gen)
     gen.guide = _guide(raw)
     return gen
+
+
+def _logit_bias(value: Any) -> dict[str, float]:
+    """OpenAI's logit_bias: token id (a JSON key) -> a bias in [-100, 100]."""
+    if not isinstance(value, dict):
+        raise invalid("logit_bias", "an object of token id -> bias")
+    out = {}
+    for key, bias in value.items():
+        if not str(key).isdigit():
+            raise invalid("logit_bias", f"key {key!r} is not a token id")
+        if not -100 <= _number(f"logit_bias.{key}", bias) <= 100:
+            raise invalid(f"logit_bias.{key}", f"must be in [-100, 100], got {bias}")
+        out[str(int(key))] = float(bias)
+    return out
 
 
 def _guide(raw: dict[str, Any]) -> tuple[str, str] | None:
@@ -228,16 +305,23 @@ def _vllm_fields(raw: dict[str, Any], gen: Generation) -> None:
                                                      raw["repetition_penalty"])
     if raw.get("min_tokens") is not None:
         gen.sampling["min_tokens"] = _int("min_tokens", raw["min_tokens"], lo=0)
-    if raw.get("min_p") is not None and _number("min_p", raw["min_p"]) != 0:
-        raise invalid("min_p", "min-p sampling is not supported: use 0 (off), or top_p")
+    if raw.get("min_p") is not None and (min_p := _number("min_p", raw["min_p"])):
+        gen.sampling["min_p"] = min_p  # 0 is off, the server's default
     stop_ids = raw.get("stop_token_ids")
     if stop_ids is not None:
         if not isinstance(stop_ids, list) or not all(
                 isinstance(i, int) and not isinstance(i, bool) for i in stop_ids):
             raise invalid("stop_token_ids", "expected a list of token ids")
         if stop_ids:
-            raise invalid("stop_token_ids", "stopping on token ids besides the end token is "
-                          "not supported: use stop strings")
+            gen.sampling["stop_token_ids"] = stop_ids
+    if raw.get("priority") is not None:
+        # vLLM: lower is earlier, 0 the default; here 0 (the default) .. 9, higher first
+        priority = _int("priority", raw["priority"], lo=-MAX_PRIORITY)
+        if priority > 0:
+            raise invalid("priority", f"0 (the default) is the lowest priority here: use "
+                          f"-{MAX_PRIORITY} (first) .. 0")
+        if priority:
+            gen.sampling["priority"] = -priority
     if raw.get("ignore_eos") is not None:
         gen.ignore_eos = _bool("ignore_eos", raw["ignore_eos"])
     if raw.get("include_stop_str_in_output") is not None:
@@ -252,26 +336,27 @@ def _vllm_fields(raw: dict[str, Any], gen: Generation) -> None:
         _bool("spaces_between_special_tokens", raw["spaces_between_special_tokens"])
 
 
-def _messages(messages: Any) -> list[dict[str, str]]:
+def _messages(messages: Any) -> list[dict[str, Any]]:
     if not isinstance(messages, list) or not messages:
         raise invalid("messages", "a non-empty list of messages is required")
     out = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user",
-                                                            "assistant"):
-            raise invalid(where, "each message needs a role: system, developer, user or "
-                          "assistant")
+                                                            "assistant", "tool"):
+            raise invalid(where, "each message needs a role: system, developer, user, "
+                          "assistant or tool")
         content = m.get("content")
         if isinstance(content, list):  # content parts: text only
             if not all(isinstance(p, dict) and p.get("type") == "text"
                        and isinstance(p.get("text"), str) for p in content):
                 raise invalid(f"{where}.content", "only text parts are supported")
             content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
+        if not isinstance(content, str) and not (
+                content is None and m["role"] == "assistant" and m.get("tool_calls")):
             raise invalid(f"{where}.content", "expected a string or a list of text parts")
         role = "system" if m["role"] == "developer" else m["role"]
-        out.append({"role": role, "content": content})
+        out.append(tools.parse_message(where, {**m, "role": role}, content))
     return out
 
 

@@ -1,4 +1,5 @@
-"""OpenAI's response shapes for completions and chat completions, streamed and whole."""
+"""OpenAI's response shapes for completions and chat completions, streamed and whole, with one
+or more choices."""
 
 from __future__ import annotations
 
@@ -9,50 +10,75 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from python_backends.gateway.protocol import Generation
+from python_backends.gateway.tools import ToolCalls
 
 # token id -> its text, for logprobs
 TokenText = Callable[[int], str]
 
 
 @dataclass
-class Answer:
-    """What the client has been sent so far of one choice, and the counts for `usage`."""
+class Choice:
+    """What the client has been sent so far of one choice, and its counts for `usage`."""
 
-    gen: Generation
-    token_text: TokenText
-    id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex}")
-    created: int = field(default_factory=lambda: int(time.time()))
-    text: str = ""
+    index: int
+    prompt_index: int  # which of the request's prompts it continues
+    text: str = ""  # content (chat: outside tool calls)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
     completion_tokens: int = 0
     finish_reason: str | None = None
+    tools: ToolCalls | None = None  # chat with tools: the calls read from the output
+
+    @property
+    def cumulative_logprob(self) -> float:
+        return sum(self.logprobs)
+
+
+@dataclass
+class Answer:
+    """One request's answer: its choices, in the order OpenAI indexes them (by prompt, then
+    by choice)."""
+
+    gen: Generation
+    token_text: TokenText
+    choices: list[Choice] = field(default_factory=list)
+    id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex}")
+    created: int = field(default_factory=lambda: int(time.time()))
 
     @property
     def object(self) -> str:
         return "chat.completion" if self.gen.chat else "text_completion"
 
     def usage(self) -> dict[str, int]:
-        return {"prompt_tokens": self.prompt_tokens,
-                "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+        """Each prompt counted once, however many choices continue it."""
+        prompts = {c.prompt_index: c.prompt_tokens for c in self.choices}
+        prompt_tokens = sum(prompts.values())
+        completion = sum(c.completion_tokens for c in self.choices)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                "total_tokens": prompt_tokens + completion}
 
-    def chunk(self, text: str, token_ids: list[int], logprobs: list[float],
-              finish_reason: str | None, first: bool) -> dict[str, Any]:
-        """One streamed event (made before `text` is added to the answer)."""
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason,
-                                  "logprobs": self._logprobs(token_ids, logprobs, len(self.text))}
+    def chunk(self, choice: Choice, text: str, token_ids: list[int], logprobs: list[float],
+              finish_reason: str | None, first: bool,
+              tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """One streamed event of `choice` (made before `text` is added to it)."""
+        out: dict[str, Any] = {"index": choice.index, "finish_reason": finish_reason,
+                               "logprobs": self._logprobs(token_ids, logprobs,
+                                                          len(choice.text))}
         if self.gen.chat:
-            choice["delta"] = ({"role": "assistant", "content": text} if first
-                               else {"content": text} if text or not finish_reason else {})
+            delta: dict[str, Any] = {"role": "assistant"} if first else {}
+            if text or (first and not tool_calls) or not (finish_reason or tool_calls):
+                delta["content"] = text
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
+            out["delta"] = delta
         else:
-            choice["text"] = text
-        out = self._head(f"{self.object}.chunk" if self.gen.chat else self.object)
-        out["choices"] = [choice]
+            out["text"] = text
+        event = self._head(f"{self.object}.chunk" if self.gen.chat else self.object)
+        event["choices"] = [out]
         if self.gen.include_usage:
-            out["usage"] = None
-        return out
+            event["usage"] = None
+        return event
 
     def usage_chunk(self) -> dict[str, Any]:
         """stream_options.include_usage: the last event, with no choices."""
@@ -61,18 +87,27 @@ class Answer:
         out["usage"] = self.usage()
         return out
 
-    def whole(self) -> dict[str, Any]:
-        """The non-streaming response."""
-        choice: dict[str, Any] = {"index": 0, "finish_reason": self.finish_reason,
-                                  "logprobs": self._logprobs(self.token_ids, self.logprobs, 0)}
-        if self.gen.chat:
-            choice["message"] = {"role": "assistant", "content": self.text}
-        else:
-            choice["text"] = self.text
-        out = self._head(self.object)
-        out["choices"] = [choice]
-        out["usage"] = self.usage()
-        return out
+    def whole(self, choices: list[Choice] | None = None) -> dict[str, Any]:
+        """The non-streaming response: `choices` (default all), renumbered in order; usage
+        counts every choice generated."""
+        shown = []
+        for index, c in enumerate(self.choices if choices is None else choices):
+            out: dict[str, Any] = {"index": index, "finish_reason": c.finish_reason,
+                                   "logprobs": self._logprobs(c.token_ids, c.logprobs, 0)}
+            if self.gen.chat:
+                calls = c.tools.calls if c.tools else []
+                out["message"] = {"role": "assistant",
+                                  "content": (c.text.strip() or None) if calls else c.text}
+                if calls:
+                    out["message"]["tool_calls"] = [{k: v for k, v in call.items()
+                                                     if k != "index"} for call in calls]
+            else:
+                out["text"] = c.text
+            shown.append(out)
+        event = self._head(self.object)
+        event["choices"] = shown
+        event["usage"] = self.usage()
+        return event
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.gen.model}

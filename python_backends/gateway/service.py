@@ -14,6 +14,7 @@ from typing import Any
 
 from python_backends.front.admission import RateLimiter, Rejected
 from python_backends.front.validation import DEFAULT_MAX_TOKENS
+from python_backends.gateway import tools
 from python_backends.gateway.backends import Backend, BackendPool
 from python_backends.gateway.config import GatewayConfig
 from python_backends.gateway.errors import ApiError
@@ -118,22 +119,26 @@ class Gateway:
                            if not key else "invalid API key")
         return tenant
 
-    def admit(self, tenant: str, prompt_tokens: int, max_tokens: int | None) -> None:
+    def admit(self, tenant: str, prompt_tokens: int, max_tokens: int | None,
+              choices: int = 1) -> None:
         """The tenant's rate limits, charged as the front charges them (requests, and prompt
-        plus max_tokens tokens): 429 when over."""
+        plus max_tokens tokens, per choice): 429 when over."""
         try:
-            self.rate_limiter.check(tenant, prompt_tokens + (max_tokens or DEFAULT_MAX_TOKENS))
+            self.rate_limiter.check(
+                tenant, prompt_tokens + choices * (max_tokens or DEFAULT_MAX_TOKENS))
         except Rejected as e:
             raise ApiError(429, str(e)) from None
 
-    def tokens(self, text: str, tenant: str) -> list[int]:
+    def tokens(self, prompt: str | list[int], tenant: str) -> list[int]:
         """The prompt's token ids when something here reads them (the tenant's token rate
         limit, prefix-aware routing), else none: tokenizing blocks the event loop, and the
         server tokenizes the prompt anyway."""
+        if isinstance(prompt, list):
+            return prompt
         if not (self.rate_limiter.limit(tenant).tokens_per_s
                 or self.config.routing.policy == "prefix_aware"):
             return []
-        return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+        return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
 
     def route_request(self, tenant: str, user: str | None, region: str, token_ids: list[int],
                       cache_salt: str | None) -> RouteRequest:
@@ -143,19 +148,29 @@ class Gateway:
                             token_ids=tuple(token_ids) if prefix_aware else (),
                             cache_salt=cache_salt or "")
 
-    def chat_prompt(self, messages: list[dict[str, str]]) -> str:
+    def chat_prompt(self, messages: list[dict[str, Any]], functions: list[dict[str, Any]],
+                    tool_choice: str) -> str:
+        """The conversation through the checkpoint's chat template, with the tools unless
+        tool_choice is none (gateway.tools)."""
+        functions = functions if tool_choice != "none" else []
+        native = tools.template_takes_tools(self.tokenizer)
+        extra = {"tools": [{"type": "function", "function": f} for f in functions]} if (
+            native and functions) else {}
         try:
-            return str(self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                          add_generation_prompt=True))
+            return str(self.tokenizer.apply_chat_template(
+                tools.conversation(messages, functions, native), tokenize=False,
+                add_generation_prompt=True, **extra))
         except Exception as e:  # a template that rejects the conversation (roles, order)
             raise ApiError(400, f"invalid request field 'messages': {e}", "messages") from None
 
-    async def open(self, request: BackendRequest, arrived: float) -> Call:
-        """Send the request to the best server that takes it: a server that fails it before
-        its first piece with a retryable error (down, overloaded, no engine left) passes it
-        to the next, up to `max_attempts` servers."""
+    async def open(self, request: BackendRequest, arrived: float, prefer: str = "") -> Call:
+        """Send the request to the best server that takes it (`prefer`, a server's name,
+        first when it is in the running): a server that fails it before its first piece with
+        a retryable error (down, overloaded, no engine left) passes it to the next, up to
+        `max_attempts` servers."""
         self.metrics.overhead.observe(time.monotonic() - arrived)
-        backend, first, rest = await self._first_piece(request, request.inputs, exclude=())
+        backend, first, rest = await self._first_piece(request, request.inputs, exclude=(),
+                                                       prefer=prefer)
         return Call(self, request, backend, first, rest)
 
     async def move(self, call: Call, error: ApiError) -> Piece:
@@ -176,10 +191,12 @@ class Gateway:
         return first
 
     async def _first_piece(self, request: BackendRequest, inputs: dict[str, Any],
-                           exclude: tuple[str, ...]) -> tuple[Backend, Piece, AsyncIterator[Piece]]:
+                           exclude: tuple[str, ...], prefer: str = "",
+                           ) -> tuple[Backend, Piece, AsyncIterator[Piece]]:
         route = request.route
         ranked = [v for v in self.policy.rank(self.pool.views(), route)
                   if v.name not in exclude]
+        ranked.sort(key=lambda v: v.name != prefer)  # stable: the policy's order otherwise
         if not ranked:
             raise ApiError(503, "no healthy backend server" + (
                 f" in the regions tenant '{route.tenant}' may use"

@@ -28,7 +28,7 @@ class StopMatcher:
             self._held = ""
             start, stop = min(found, key=lambda f: f[0])  # the first to start; ties: listed first
             return pending[:start + len(stop)] if self.include else pending[:start]
-        keep = self._partial_suffix(pending)
+        keep = partial_suffix(pending, self.stops)
         self._held = pending[len(pending) - keep:] if keep else ""
         return pending[:len(pending) - keep]
 
@@ -37,12 +37,14 @@ class StopMatcher:
         held, self._held = self._held, ""
         return "" if self.stopped else held
 
-    def _partial_suffix(self, text: str) -> int:
-        """The length of the longest end of `text` that begins some stop string."""
-        best = 0
-        for stop in self.stops:
-            for n in range(min(len(stop) - 1, len(text)), best, -1):
-                if text.endswith(stop[:n]):
-                    best = n
-                    break
-        return best
+
+def partial_suffix(text: str, marks: list[str]) -> int:
+    """The length of the longest end of `text` that begins one of `marks` (and is not all of
+    it)."""
+    best = 0
+    for mark in marks:
+        for n in range(min(len(mark) - 1, len(text)), best, -1):
+            if text.endswith(mark[:n]):
+                best = n
+                break
+    return best
