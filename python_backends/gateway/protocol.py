@@ -78,6 +78,7 @@ class Generation:
     tools: list[dict[str, Any]] = field(default_factory=list)  # the functions, as given
     # "none", "auto", "required", or the name of the function that must be called
     tool_choice: str = "none"
+    parallel_tool_calls: bool = True  # tool_choice required: one call or more
 
     @property
     def prompt(self) -> str | list[int]:
@@ -121,12 +122,13 @@ def parse_chat(body: Any) -> Generation:
     gen.tools = tools.parse_tools(raw.get("tools"))
     gen.tool_choice = tools.parse_tool_choice(raw.get("tool_choice"), gen.tools)
     if raw.get("parallel_tool_calls") is not None:
-        _bool("parallel_tool_calls", raw["parallel_tool_calls"])  # several calls are allowed
+        gen.parallel_tool_calls = _bool("parallel_tool_calls", raw["parallel_tool_calls"])
     if gen.tool_choice not in ("none", "auto"):
         if gen.guide is not None:
             raise invalid("tool_choice", "a required tool call is itself a structured output:"
                           " it cannot be combined with response_format or structured_outputs")
-        gen.guide = ("ebnf_grammar", tools.call_grammar(gen.tools, gen.tool_choice))
+        gen.guide = ("ebnf_grammar", tools.call_grammar(gen.tools, gen.tool_choice,
+                                                         gen.parallel_tool_calls))
         try:
             guides.grammar(*gen.guide)
         except guides.InvalidGuide as e:

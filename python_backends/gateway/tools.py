@@ -151,16 +151,17 @@ def _block(name: str, arguments: Any) -> str:
     return f"{OPEN}\n{json.dumps({'name': name, 'arguments': arguments})}\n{CLOSE}"
 
 
-def call_grammar(functions: list[dict[str, Any]], choice: str) -> str:
+def call_grammar(functions: list[dict[str, Any]], choice: str, parallel: bool = True) -> str:
     """A Lark grammar (llguidance's, with inline JSON schemas) for `tool_choice` `required`
-    (one or more calls of any of the functions) or a named function (one call of it)."""
+    (a call of any of the functions; more than one if `parallel`) or a named function (one
+    call of it)."""
     chosen = functions if choice == "required" else [f for f in functions if f["name"] == choice]
     calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
               "properties": {"name": {"const": f["name"]},
                              "arguments": f.get("parameters") or {"type": "object"}}}
              for f in chosen]
     schema = {"x-guidance": _JSON_STYLE, **(calls[0] if len(calls) == 1 else {"anyOf": calls})}
-    more = ' ("\\n" call)*' if choice == "required" else ""
+    more = ' ("\\n" call)*' if choice == "required" and parallel else ""
     return (f"start: call{more}\n"
             f"call: {json.dumps(OPEN + chr(10))} body {json.dumps(chr(10) + CLOSE)}\n"
             f"body: %json {json.dumps(schema)}")

@@ -89,6 +89,8 @@ def test_required_and_named_grammars_hold_calls_to_the_schemas(tokenizer: Any) -
     assert accepts(tokenizer, required, CALL)
     time_call = '{"name": "get_time", "arguments": {"zone": "UTC"}}'
     assert accepts(tokenizer, required, f"{CALL}\n<tool_call>\n{time_call}\n</tool_call>")
+    assert not accepts(tokenizer, call_grammar([WEATHER, TIME], "required", parallel=False),
+                       f"{CALL}\n{CALL}")
     assert not accepts(tokenizer, required, "Sure! " + CALL)
     assert not accepts(tokenizer, required, CALL.replace('"city"', '"town"'))
     named = call_grammar([WEATHER, TIME], "get_time")
