@@ -29,7 +29,7 @@ from tests.e2e.conftest import (
 
 pytestmark = pytest.mark.e2e
 MODEL = "smollm2"
-WEATHER = {"type": "function", "function": {
+WEATHER: dict[str, Any] = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city",
     "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
                    "properties": {"city": {"type": "string", "maxLength": 20},
@@ -58,7 +58,7 @@ def completion(gw: Gateway, **body: Any) -> Any:
 def test_a_tool_call_round_trip(gateway: Gateway, server: Server) -> None:
     """required: the call always parses against the function's schema; its result sent back
     as a tool message gets an answer."""
-    client = gateway.openai()
+    client: Any = gateway.openai()  # the bodies below are plain dicts, not its types
     first = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=[WEATHER],
                                            tool_choice="required", parallel_tool_calls=False,
                                            max_tokens=48)
@@ -68,7 +68,7 @@ def test_a_tool_call_round_trip(gateway: Gateway, server: Server) -> None:
     assert calls and len(calls) == 1 and calls[0].function.name == "get_weather"
     for call in calls:
         jsonschema.validate(json.loads(call.function.arguments),
-                            WEATHER["function"]["parameters"])  # type: ignore[index]
+                            WEATHER["function"]["parameters"])
     messages: list[Any] = [*QUESTION, choice.message.model_dump(exclude_none=True)]
     messages += [{"role": "tool", "tool_call_id": c.id, "content": "18 degrees and sunny"}
                  for c in calls]
@@ -79,7 +79,7 @@ def test_a_tool_call_round_trip(gateway: Gateway, server: Server) -> None:
 
 
 def test_streamed_tool_calls_add_up_to_the_whole_answer(gateway: Gateway) -> None:
-    client = gateway.openai()
+    client: Any = gateway.openai()  # the bodies below are plain dicts, not its types
     named = {"type": "function", "function": {"name": "get_weather"}}
     whole = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=[WEATHER],
                                            tool_choice=named, max_tokens=48)
@@ -101,7 +101,8 @@ def test_streamed_tool_calls_add_up_to_the_whole_answer(gateway: Gateway) -> Non
 
 
 def test_auto_tool_choice_answers_with_text_or_calls(gateway: Gateway) -> None:
-    answer = gateway.openai().chat.completions.create(
+    client: Any = gateway.openai()
+    answer = client.chat.completions.create(
         model=MODEL, messages=QUESTION, tools=[WEATHER], max_tokens=32)
     message = answer.choices[0].message
     assert message.content or message.tool_calls
