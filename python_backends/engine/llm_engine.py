@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from python_backends.config import EngineConfig
+from python_backends.engine import guided
 from python_backends.engine.block_manager import BlockManager
 from python_backends.engine.guided import GuideMatchers
 from python_backends.engine.kv_handoff import KVHandoff, KVPull
@@ -221,12 +222,14 @@ class LLMEngine:
     def _run(self, out: SchedulerOutput) -> list[TokenEvent]:
         times, t0 = self.step_seconds, time.perf_counter()
         prepared = self.runner.prepare_seconds
+        masks = guided.start_masks(list(out.scheduled), self.config.model.vocab_size)
         head, sampling = self.runner.run(out)
         t1 = time.perf_counter()
         prepare = self.runner.prepare_seconds - prepared
         times["prepare"] += prepare
         times["forward"] += t1 - t0 - prepare
-        result = sample(sampling, head) if sampling else SampleResult([], None)
+        result = (sample(sampling, head, masks.result() if masks else None) if sampling
+                  else SampleResult([], None))
         t2 = time.perf_counter()
         times["sample"] += t2 - t1
         events = [self._event(s, s.num_output_tokens - drawn + k)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from python_backends.engine.guided import mask_logits
+from python_backends.engine.guided import Masks, mask_logits
 from python_backends.engine.sequence import Sequence
 from python_backends.params import SamplingParams
 
@@ -43,8 +43,9 @@ def argmax_only(p: SamplingParams) -> bool:
             and not p.guided)
 
 
-def sample(seqs: list[Sequence], head: HeadOutput) -> SampleResult:
-    """Pick the next token of each sequence (one row of `head` per sequence)."""
+def sample(seqs: list[Sequence], head: HeadOutput, masks: Masks | None = None) -> SampleResult:
+    """Pick the next token of each sequence (one row of `head` per sequence). `masks`: the
+    guided rows' token masks, filled while the step computed (guided.start_masks)."""
     if head.token_ids is not None:
         if not all(argmax_only(s.params) for s in seqs):
             raise ValueError("sample: tokens given for rows that need their logits")
@@ -53,7 +54,7 @@ def sample(seqs: list[Sequence], head: HeadOutput) -> SampleResult:
     assert logits is not None
     if any(s.matcher is not None for s in seqs):  # guided rows: their grammar's tokens only
         logits = logits.cpu().clone()  # the head's own output is left as it was
-        mask_logits(seqs, logits)
+        mask_logits(seqs, logits, masks)
     if all(s.params.greedy and not s.params.needs_logits_processing for s in seqs):
         # max's indices, not argmax: the same first index of the largest value (NaN first), in
         # a fraction of argmax's time on the CPU.
