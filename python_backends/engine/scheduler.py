@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from python_backends.config import EngineLimits
 from python_backends.engine.block_manager import BlockManager
+from python_backends.engine.guided import grammar_draft
 from python_backends.engine.prefix_cache import PrefixCache
 from python_backends.engine.sampler import SampleResult
 from python_backends.engine.sequence import RELEASED, Sequence, SequenceStatus
@@ -177,7 +178,7 @@ class Scheduler:
         """A decoding sequence's draft for this step (engine.speculative): at most `budget`
         tokens, and none past the sequence's max_tokens or the engine's max_seq_len."""
         spec, p = self.speculation, seq.params
-        if (not spec.enabled or not p.greedy or p.needs_logits_processing or p.guided
+        if (not spec.enabled or not p.greedy or p.needs_logits_processing
                 or seq.prefill_only):
             return ()
         if seq.ngrams is None:
@@ -186,7 +187,7 @@ class Scheduler:
                    self.limits.max_seq_len - seq.num_tokens) - 1
         longest = spec.num_tokens if seq.draft_limit is None else seq.draft_limit
         limit = min(longest, budget, room)
-        return tuple(seq.ngrams.draft(seq.token_ids(), limit))
+        return grammar_draft(seq, tuple(seq.ngrams.draft(seq.token_ids(), limit)))
 
     def _preempt_for_priority(self) -> list[Sequence]:
         """Make room for a waiting sequence that outranks running ones: while it cannot be

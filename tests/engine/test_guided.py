@@ -4,6 +4,7 @@ alone and batched with unguided rows, which are left as they are."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator
 
@@ -14,6 +15,7 @@ from transformers import AutoTokenizer
 from python_backends.config import DEFAULT_ENGINE_DIR
 from python_backends.engine.llm_engine import LLMEngine
 from python_backends.engine.sequence import Sequence
+from python_backends.engine.speculative import SpeculationConfig
 from python_backends.params import FinishReason, SamplingParams
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
@@ -116,3 +118,47 @@ def test_a_guided_sequence_resumed_elsewhere_continues_in_its_language(
     bad.continue_from(chat(tokenizer, "not json")[:3], [0.0] * 3)
     with pytest.raises(ValueError, match="do not follow the guide"):
         engine.add(bad)
+
+
+TEAM = {"type": "array", "minItems": 4, "maxItems": 4, "items": {
+    "type": "object", "additionalProperties": False, "required": ["name", "role", "level"],
+    "properties": {"name": {"type": "string", "maxLength": 8},
+                   "role": {"enum": ["dev", "ops", "qa"]},
+                   "level": {"type": "integer", "minimum": 1, "maximum": 5}}}}
+
+
+def test_drafts_are_checked_against_the_guide_and_change_nothing(
+        engine: LLMEngine, tokenizer: object) -> None:
+    """Repeated keys give the n-gram drafter drafts; each is cut to what the guide allows and
+    masked position by position, so speculation keeps the guided greedy output as it was."""
+    prompts = [chat(tokenizer, f"List a team of four ({team}) as JSON.")
+               for team in ("web", "data", "mobile")]
+    p = dataclasses.replace(params("json_schema", json.dumps(TEAM)), max_tokens=200)
+    plain = run(engine, [(q, p) for q in prompts])
+    spec = LLMEngine.from_engine_dir(DEFAULT_ENGINE_DIR, num_kv_blocks=256,
+                                     speculation=SpeculationConfig(num_tokens=4))
+    try:
+        drafted = run(spec, [(q, p) for q in prompts])
+        assert spec.scheduler.num_accepted_tokens > 0
+    finally:
+        spec.close()
+    assert [s.output_ids for s in drafted] == [s.output_ids for s in plain]
+    for s in drafted:
+        jsonschema.validate(json.loads(text(tokenizer, s)), TEAM)
+
+
+def test_preempted_guided_sequences_resume_in_their_language(
+        engine: LLMEngine, tokenizer: object) -> None:
+    """A KV pool too small for all of them: sequences are preempted and recomputed, their
+    matchers untouched (they hold the tokens so far), and the outputs are as unpreempted."""
+    prompts = [chat(tokenizer, f"Describe person number {i} as JSON.") for i in range(6)]
+    p = params("json_schema", json.dumps(PERSON))
+    roomy = run(engine, [(q, p) for q in prompts])
+    tight = LLMEngine.from_engine_dir(DEFAULT_ENGINE_DIR, num_kv_blocks=12,
+                                      enable_prefix_caching=False)
+    try:
+        squeezed = run(tight, [(q, p) for q in prompts])
+        assert tight.scheduler.num_preemptions > 0
+    finally:
+        tight.close()
+    assert [s.output_ids for s in squeezed] == [s.output_ids for s in roomy]
