@@ -14,7 +14,7 @@ import json
 from typing import Any
 
 # TensorRT-LLM's guide types, and the choice list vLLM's `structured_outputs.choice` sends.
-GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar", "choice")
+GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar", "structural_tag", "choice")
 _FORMAT: dict[str, Any] = {"json_schema": "json_schema", "regex": "regex",
                            "ebnf_grammar": "grammar", "choice": "choice"}
 MAX_GUIDE_CHARS = 200_000
@@ -37,8 +37,8 @@ def grammar(guide_type: str, guide: str) -> str:
     if guide_type == "json":  # any JSON object; the guide text, if any, is not read
         text, fmt = '{"type": "object"}', _FORMAT["json_schema"]
     else:
-        text, fmt = guide, _FORMAT[guide_type]
-        if guide_type in ("json_schema", "choice"):
+        text, fmt = guide, _FORMAT.get(guide_type, "")
+        if guide_type in ("json_schema", "choice", "structural_tag"):
             try:
                 value = json.loads(text)
             except ValueError as e:
@@ -46,6 +46,8 @@ def grammar(guide_type: str, guide: str) -> str:
             if guide_type == "choice" and not (isinstance(value, list) and value and all(
                     isinstance(c, str) for c in value)):
                 raise InvalidGuide("a choice is a JSON list of one or more strings")
+    if guide_type == "structural_tag":
+        text, fmt = _structural_tag(text), _FORMAT["ebnf_grammar"]
     try:
         if fmt == "json_schema":
             # No free whitespace between JSON tokens: with it, a model can spend its whole
@@ -60,3 +62,30 @@ def grammar(guide_type: str, guide: str) -> str:
     if problem:
         raise InvalidGuide(problem)
     return str(compiled)
+
+
+def _structural_tag(text: str) -> str:
+    """A structural tag (vLLM's and xgrammar's form, as TensorRT-LLM takes it): free text in
+    which each `triggers` string opens one of the `structures`, `begin`, then JSON that follows
+    its `schema`, then `end`. As a Lark grammar (llguidance.StructTag)."""
+    import llguidance
+
+    spec = json.loads(text)
+    structures = spec.get("structures") if isinstance(spec, dict) else None
+    triggers = spec.get("triggers") if isinstance(spec, dict) else None
+    if not isinstance(structures, list) or not structures or not isinstance(triggers, list) or \
+            not all(isinstance(t, str) and t for t in triggers):
+        raise InvalidGuide('a structural tag is {"structures": [{"begin", "schema", "end"}, '
+                           '...], "triggers": [...]}')
+    tags = []
+    for i, st in enumerate(structures):
+        if not isinstance(st, dict) or not isinstance(st.get("begin"), str) or not isinstance(
+                st.get("end"), str) or not isinstance(st.get("schema"), dict):
+            raise InvalidGuide(f"structures[{i}]: begin and end strings and a schema object")
+        trigger = next((t for t in triggers if st["begin"].startswith(t)), None)
+        if trigger is None:
+            raise InvalidGuide(f"structures[{i}]: its begin {st['begin']!r} starts with none "
+                               "of the triggers")
+        tags.append(llguidance.StructTag(trigger=trigger, begin=st["begin"], end=st["end"],
+                                         grammar=st["schema"]))
+    return str(llguidance.StructTag.to_grammar(tags, assume_special=False))

@@ -248,8 +248,8 @@ def _guide(raw: dict[str, Any]) -> tuple[str, str] | None:
         where, guide = _response_format(value)
     elif name == "structured_outputs":
         if not isinstance(value, dict) or len(value) != 1 or next(iter(value)) not in (
-                "json", "regex", "choice", "grammar"):
-            raise invalid(name, "one of json, regex, choice or grammar")
+                "json", "regex", "choice", "grammar", "structural_tag"):
+            raise invalid(name, "one of json, regex, choice, grammar or structural_tag")
         kind, inner = next(iter(value.items()))
         where, guide = f"{name}.{kind}", _vllm_guide(f"{name}.{kind}", kind, inner)
     else:
@@ -264,12 +264,15 @@ def _guide(raw: dict[str, Any]) -> tuple[str, str] | None:
 
 
 def _response_format(value: Any) -> tuple[str, tuple[str, str] | None]:
-    if not isinstance(value, dict) or value.get("type") not in ("text", "json_object",
-                                                                 "json_schema"):
-        raise invalid("response_format", "an object whose type is text, json_object or "
-                      "json_schema")
+    if not isinstance(value, dict) or value.get("type") not in (
+            "text", "json_object", "json_schema", "structural_tag"):
+        raise invalid("response_format", "an object whose type is text, json_object, "
+                      "json_schema or structural_tag")
     if value["type"] == "text":
         return "response_format", None
+    if value["type"] == "structural_tag":  # vLLM's: {"type", "structures", "triggers"}
+        tag = {k: v for k, v in value.items() if k != "type"}
+        return "response_format", ("structural_tag", json.dumps(tag))
     if value["type"] == "json_object":
         return "response_format", ("json", "")
     spec = value.get("json_schema")
@@ -292,9 +295,11 @@ def _vllm_guide(where: str, kind: str, value: Any) -> tuple[str, str]:
                 isinstance(c, str) for c in value):
             raise invalid(where, "a non-empty list of strings")
         return "choice", json.dumps(value)
+    if kind == "structural_tag" and isinstance(value, dict):
+        return "structural_tag", json.dumps(value)
     if not isinstance(value, str) or not value:
         raise invalid(where, "a non-empty string")
-    return ("regex", value) if kind == "regex" else ("ebnf_grammar", value)
+    return {"regex": "regex", "grammar": "ebnf_grammar"}.get(kind, kind), value
 
 
 def _vllm_fields(raw: dict[str, Any], gen: Generation) -> None:

@@ -12,6 +12,8 @@ from python_backends.gateway.errors import ApiError
 from python_backends.gateway.protocol import parse_chat, parse_completion
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}
+TAG = {"structures": [{"begin": "<f=a>", "schema": {"type": "object"}, "end": "</f>"}],
+       "triggers": ["<f="]}
 TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -163,6 +165,10 @@ def test_structured_output_fields_map_to_the_ensembles_guide() -> None:
         ({"structured_outputs": {"regex": "[a-z]+"}}, ("regex", "[a-z]+")),
         ({"guided_choice": ["a", "b"]}, ("choice", '["a", "b"]')),
         ({"guided_grammar": 'root ::= "x"'}, ("ebnf_grammar", 'root ::= "x"')),
+        ({"response_format": {"type": "structural_tag", **TAG}},
+         ("structural_tag", json.dumps(TAG))),
+        ({"structured_outputs": {"structural_tag": json.dumps(TAG)}},
+         ("structural_tag", json.dumps(TAG))),
     ]
     for extra, guide in cases:
         assert parse_chat({**CHAT, **extra}).guide == guide, extra
