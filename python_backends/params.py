@@ -32,6 +32,7 @@ class SamplingParams:
     stop_sequences: tuple[tuple[int, ...], ...] = ()
     bad_sequences: tuple[tuple[int, ...], ...] = ()
     return_log_probs: bool = False
+    top_log_probs: int = 0  # with each token, the log-probabilities of this many likeliest
     # (token id, bias) pairs added to the logits before sampling (OpenAI's logit_bias)
     logit_bias: tuple[tuple[int, float], ...] = ()
     # Structured output (python_backends.guides): the output is constrained to this guide's

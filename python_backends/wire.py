@@ -87,8 +87,11 @@ class TensorSpec:
 
 def _tensor(name: str, kind: Kind, default: Any = dataclasses.MISSING,
             variable: bool = False) -> Any:
-    """A dataclass field carried as tensor `name`; a field with a default is optional."""
+    """A dataclass field carried as tensor `name`; a field with a default is optional (a list
+    default is the empty list)."""
     spec = TensorSpec(name, kind, default is not dataclasses.MISSING, variable)
+    if isinstance(default, list):
+        return field(default_factory=list, metadata={"tensor": spec})
     return field(default=default, metadata={"tensor": spec})
 
 
@@ -351,6 +354,10 @@ class TokenStep(Message):
     num_output_tokens: int = _tensor("NUM_OUTPUT_TOKENS", Kind.INT)
     error: str = _tensor("ERROR", Kind.TEXT, "")  # the message, with finish reason "error"
     error_kind: str = _tensor("ERROR_KIND", Kind.TEXT, "")  # an ErrorKind value
+    # With top_log_probs k: each token's k likeliest alternatives, token by token (k ids, then
+    # the next token's k; their log-probabilities likewise).
+    top_ids: list[int] = _tensor("TOP_IDS", Kind.INTS, [])
+    top_log_probs: list[float] = _tensor("TOP_LOG_PROBS", Kind.FLOATS, [])
 
 
 @dataclass(frozen=True)
@@ -362,6 +369,8 @@ class PrefillReply(Message):
     log_prob: float = _tensor("OUTPUT_LOG_PROBS", Kind.FLOAT)
     finish_reason: str = _tensor("FINISH_REASON", Kind.TEXT)
     kv_handle: bytes = _tensor("KV_HANDLE", Kind.BLOB)
+    top_ids: list[int] = _tensor("TOP_IDS", Kind.INTS)  # as TokenStep's
+    top_log_probs: list[float] = _tensor("TOP_LOG_PROBS", Kind.FLOATS)
 
 
 @dataclass(frozen=True)
@@ -383,19 +392,21 @@ class ClientChunk(Message):
     # chunk ends the stream as data (a Triton error then would hit the 2.51 ensemble bug, see
     # docs/platform.md). "" otherwise.
     error: str = _tensor("ERROR", Kind.TEXT)
+    top_ids: list[int] = _tensor("TOP_IDS", Kind.INTS)  # for output_ids, as TokenStep's
+    top_log_probs: list[float] = _tensor("TOP_LOG_PROBS", Kind.FLOATS)
 
     @classmethod
     def probe(cls, cancel_board: str, cancel_ticket: int) -> ClientChunk:
         """A chunk that reports nothing: it only asks postprocessing whether the client is
         still there (front.liveness)."""
-        return cls(cancel_board, cancel_ticket, [], 0, [], "", 0, 0, 0.0, [], "")
+        return cls(cancel_board, cancel_ticket, [], 0, [], "", 0, 0, 0.0, [], "", [], [])
 
     def failed(self, message: str) -> ClientChunk:
         """The final chunk of a stream that failed after this chunk: no new tokens, this
         chunk's counts, finish_reason "error" and the message."""
         return dataclasses.replace(self, tokens=[], prefix_len=0, output_ids=[],
                                    output_log_probs=[], finish_reason=FINISH_ERROR,
-                                   error=message)
+                                   error=message, top_ids=[], top_log_probs=[])
 
     @property
     def is_probe(self) -> bool:
@@ -415,6 +426,11 @@ class ClientOutput(Message):
     output_log_probs: list[float] = _tensor("output_log_probs", Kind.FLOATS, variable=True)
     output_ids: list[int] = _tensor("output_ids", Kind.INTS, variable=True)
     error_message: str = _tensor("error_message", Kind.TEXT, variable=True)  # "" unless failed
+    # with top_log_probs k: each output token's k likeliest alternatives (k ids, then the next
+    # token's k), and their log-probabilities
+    output_top_ids: list[int] = _tensor("output_top_ids", Kind.INTS, variable=True)
+    output_top_log_probs: list[float] = _tensor("output_top_log_probs", Kind.FLOATS,
+                                                variable=True)
 
 
 @dataclass(frozen=True)
@@ -457,6 +473,7 @@ CLIENT_INPUTS: dict[str, TensorSpec] = {name: TensorSpec(name, kind, optional=Tr
     ("logit_bias", Kind.TEXT),  # JSON {"<token id>": bias}, as OpenAI's logit_bias
     ("exclude_input_in_output", Kind.BOOL),
     ("return_log_probs", Kind.BOOL),
+    ("top_log_probs", Kind.INT),  # with each token, the log-probabilities of its k likeliest
     ("priority", Kind.INT),
     ("cache_salt", Kind.TEXT),
     ("resume_ids", Kind.INTS),  # a request moved from another server: its tokens so far

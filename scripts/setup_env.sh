@@ -55,3 +55,11 @@ ensure_aiperf() {
   fi
   export AIPERF="$venv/bin/aiperf"
 }
+
+# vLLM for CPU in its own environment (python_backends/bench/vllm_peer.py): the peer of
+# scripts/bench_sweep.py, and the home of vLLM's benchmark client (`vllm bench serve`), which
+# the e2e tests run against the gateway.
+ensure_vllm() {
+  "$PY" -c "from python_backends.bench import vllm_peer; vllm_peer.ensure_env()"
+}
+

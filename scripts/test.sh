@@ -3,6 +3,7 @@
 #   scripts/test.sh [pytest args]
 source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
 ensure_aiperf  # for tests/e2e/test_aiperf.py
+ensure_vllm  # vLLM's benchmark client, for tests/e2e/test_openai_api.py
 cd "$ROOT"
 "$PY" -m ruff check .
 "$PY" -m mypy

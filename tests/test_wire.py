@@ -84,9 +84,13 @@ MESSAGES: list[Message] = [
     EngineRequest(REQUEST, "triton_llm_cancel_1_2", 9, b'{"x":1}', 42, -0.5),
     TokenStep([7], [-0.25], "", 3, 1),
     TokenStep([], [], "cancelled", 3, 0),
-    PrefillReply(11, -1.5, "", b"handle"),
-    ClientChunk("board", 3, [1, 2, 3], 1, [2, 3], "stop", 5, 2, -3.0, [], ""),
-    ClientOutput("Paris. 中国", "length", 5, 2, -1.0, [-0.5, -0.5], [10, 11], ""),
+    TokenStep([7, 8], [-0.25, -1.0], "", 3, 2, top_ids=[7, 9, 8, 1],
+              top_log_probs=[-0.25, -2.0, -1.0, -1.5]),
+    PrefillReply(11, -1.5, "", b"handle", [], []),
+    PrefillReply(11, -1.5, "", b"handle", [11, 4], [-1.5, -2.5]),
+    ClientChunk("board", 3, [1, 2, 3], 1, [2, 3], "stop", 5, 2, -3.0, [], "", [], []),
+    ClientOutput("Paris. 中国", "length", 5, 2, -1.0, [-0.5, -0.5], [10, 11], "", [10, 12],
+                 [-0.5, -3.0]),
 ]
 
 

@@ -57,6 +57,8 @@ class TokenEvent:
     # owns them now and releases them with `LLMEngine.blocks.release`), holding `kv_tokens`.
     kv_blocks: tuple[int, ...] | None = None
     kv_tokens: int = 0
+    # with params.top_log_probs: the likeliest alternatives (token id, log-probability)
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -260,6 +262,7 @@ class LLMEngine:
             decode_time=decode_time,
             kv_blocks=tuple(s.block_table) if handed_over else None,
             kv_tokens=s.num_computed_tokens if handed_over else 0,
+            top=s.output_top[n - 1] if s.params.top_log_probs else (),
         )
         if handed_over:
             s.block_table = []

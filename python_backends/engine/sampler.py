@@ -15,11 +15,16 @@ from python_backends.engine.guided import Masks, mask_logits
 from python_backends.engine.sequence import Sequence
 from python_backends.params import SamplingParams
 
+# A token's likeliest alternatives: (token id, log-probability) pairs, likeliest first.
+Top = tuple[tuple[int, float], ...]
+
 
 @dataclass(frozen=True)
 class SampleResult:
     token_ids: list[int]
     logprobs: list[float] | None  # one per token; None when no sequence asked for them
+    # one per token (empty where its sequence asked for none); None when none asked
+    top: list[Top] | None = None
 
 
 @dataclass(frozen=True)
@@ -59,33 +64,47 @@ def sample(seqs: list[Sequence], head: HeadOutput, masks: Masks | None = None) -
         # max's indices, not argmax: the same first index of the largest value (NaN first), in
         # a fraction of argmax's time on the CPU.
         tokens = logits.max(dim=-1).indices
-        logprobs = None
+        logprobs, top = None, None
         if any(s.params.return_log_probs for s in seqs):
-            chosen = torch.log_softmax(logits, dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
-            logprobs = chosen.tolist()
-        return SampleResult(tokens.tolist(), logprobs)
+            all_logprobs = torch.log_softmax(logits, dim=-1)
+            logprobs = all_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+            if any(s.params.top_log_probs for s in seqs):
+                top = _top(all_logprobs, [s.params.top_log_probs for s in seqs])
+        return SampleResult(tokens.tolist(), logprobs, top)
     token_ids: list[int] = []
     logprobs_out: list[float] = []
+    top_out: list[Top] = []
     logits = logits.cpu()  # row by row from here, with each sequence's (CPU) generator
     for i, seq in enumerate(seqs):
-        token, lp = _sample_one(seq, logits[i])
+        token, row_logprobs = _sample_one(seq, logits[i])
         token_ids.append(token)
-        logprobs_out.append(lp)
-    return SampleResult(token_ids, logprobs_out)
+        logprobs_out.append(float(row_logprobs[token]))
+        if seq.params.top_log_probs:
+            top_out += _top(row_logprobs.unsqueeze(0), [seq.params.top_log_probs])
+        else:
+            top_out.append(())
+    wanted = any(s.params.top_log_probs for s in seqs)
+    return SampleResult(token_ids, logprobs_out, top_out if wanted else None)
 
 
-def _sample_one(seq: Sequence, logits: torch.Tensor) -> tuple[int, float]:
+def _top(logprobs: torch.Tensor, counts: list[int]) -> list[Top]:
+    """Each row's `counts[i]` likeliest tokens and their log-probabilities. logprobs: [N, V]."""
+    values, ids = logprobs.topk(max(counts), dim=-1)
+    return [tuple(zip(ids[i, :k].tolist(), values[i, :k].tolist(), strict=True))
+            for i, k in enumerate(counts)]
+
+
+def _sample_one(seq: Sequence, logits: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """The token, and the log-probabilities of the distribution it was drawn from."""
     p = seq.params
     if p.needs_logits_processing:
         logits = process_logits(seq, logits.clone())
     if p.greedy:
-        token = int(logits.argmax())
-        return token, float(torch.log_softmax(logits, dim=-1)[token])
+        return int(logits.argmax()), torch.log_softmax(logits, dim=-1)
     logits = logits / p.temperature
     logprobs = torch.log_softmax(logits, dim=-1)
     probs = _truncated_probs(logits, p)
-    token = int(torch.multinomial(probs, 1, generator=seq.generator))
-    return token, float(logprobs[token])
+    return int(torch.multinomial(probs, 1, generator=seq.generator)), logprobs
 
 
 def process_logits(seq: Sequence, logits: torch.Tensor) -> torch.Tensor:

@@ -257,6 +257,8 @@ class Scheduler:
                 seq.matcher.consume_token(result.token_ids[row + j])
             if result.logprobs is not None:
                 seq.output_logprobs.append(result.logprobs[row + j])
+            if result.top is not None and seq.params.top_log_probs:
+                seq.output_top.append(result.top[row + j])
             drawn += 1
             reason = stop_reason(seq, self.limits.max_seq_len)
             if reason is not None:

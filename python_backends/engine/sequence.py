@@ -40,6 +40,8 @@ class Sequence:
     first_token_time: float | None = None  # first token drawn here (or handed-off arrival)
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    # with params.top_log_probs: each output token's likeliest alternatives (sampler.Top)
+    output_top: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
     num_computed_tokens: int = 0
     # The KV block of each block of positions. Under a sliding window the leading ones no query
     # can see any more are released (Scheduler._release_behind_window) and read RELEASED.
@@ -77,6 +79,8 @@ class Sequence:
         self.first_token_time = time.monotonic()
         if self.params.return_log_probs:
             self.output_logprobs.extend(logprobs)
+        if self.params.top_log_probs:  # not known here: drawn elsewhere
+            self.output_top.extend(() for _ in token_ids)
 
     def held_blocks(self) -> list[int]:
         """The blocks it holds: its block table less those released behind a window."""

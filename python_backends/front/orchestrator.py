@@ -151,7 +151,8 @@ class Orchestrator:
             return
         client.attach(self.board, ticket, lambda: gates.admission.leave(prompt_tokens))
         state = RequestStream(req.prompt_ids, req.stream, req.exclude_input_in_output,
-                              req.params.return_log_probs, self.board.name, ticket)
+                              req.params.return_log_probs, self.board.name, ticket,
+                              req.params.top_log_probs)
         state.resume(req.resume_ids)
         self.prober.add(client)
         try:
@@ -192,7 +193,8 @@ class Orchestrator:
             return
         self.metrics.routed(route.value)
         client.first_response()
-        chunk = state.add([prefilled.token_id], [prefilled.log_prob], prefilled.finish_reason)
+        chunk = state.add([prefilled.token_id], [prefilled.log_prob], prefilled.finish_reason,
+                          prefilled.top_ids, prefilled.top_log_probs)
         if chunk is not None:
             self._deliver(client, state, chunk)
         if prefilled.finish_reason:
@@ -295,7 +297,7 @@ class Orchestrator:
                 step = TokenStep.decode(reply.outputs)
                 if not step.error:
                     chunk = state.add(step.output_ids, step.output_log_probs,
-                                      step.finish_reason)
+                                      step.finish_reason, step.top_ids, step.top_log_probs)
                     if chunk is not None:
                         self._deliver(client, state, chunk)
                 elif step.error_kind == ErrorKind.UNAVAILABLE.value:

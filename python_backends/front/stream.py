@@ -22,9 +22,12 @@ class RequestStream:
     return_log_probs: bool
     cancel_board: str = ""  # the front's board and this request's ticket on it
     cancel_ticket: int = 0
+    top_log_probs: int = 0  # alternatives per token (k): top_ids and top_lps hold k per token
     arrival_time: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_ids: list[int] = field(default_factory=list)
+    top_lps: list[float] = field(default_factory=list)
     first_token_time: float | None = None
     last_token_time: float | None = None
     finish_reason: str = ""
@@ -32,14 +35,18 @@ class RequestStream:
     def resume(self, token_ids: list[int]) -> None:
         """Tokens generated before, on a server that failed: they count as output (toward
         max_tokens, and as context of the next chunk's text) but are never sent again. Their
-        log-probabilities are not known here (0)."""
+        log-probabilities are not known here (0; their alternatives' ids -1)."""
         self.output_ids.extend(token_ids)
         self.logprobs.extend([0.0] * len(token_ids))
+        self.top_ids.extend([-1] * len(token_ids) * self.top_log_probs)
+        self.top_lps.extend([0.0] * len(token_ids) * self.top_log_probs)
 
     def add(
-        self, token_ids: list[int], logprobs: list[float], finish_reason: str
+        self, token_ids: list[int], logprobs: list[float], finish_reason: str,
+        top_ids: list[int] | None = None, top_lps: list[float] | None = None,
     ) -> ClientChunk | None:
-        """Record one engine response; returns the chunk to send now, if any."""
+        """Record one engine response (`top_ids`, `top_lps`: its tokens' alternatives, k per
+        token); returns the chunk to send now, if any."""
         now = time.monotonic()
         if token_ids and self.first_token_time is None:
             self.first_token_time = now
@@ -48,14 +55,17 @@ class RequestStream:
         start = len(self.output_ids)
         self.output_ids.extend(token_ids)
         self.logprobs.extend(logprobs)
+        k = self.top_log_probs
+        if k:  # an engine that gave none (a token drawn elsewhere): unknown alternatives
+            missing = len(token_ids) * k - len(top_ids or [])
+            self.top_ids.extend([*(top_ids or []), *[-1] * missing])
+            self.top_lps.extend([*(top_lps or []), *[0.0] * missing])
         self.finish_reason = finish_reason
         if self.stream:
             if not token_ids and not finish_reason:
                 return None
             lo = max(0, start - STREAM_CONTEXT_TOKENS)
-            return self._chunk(
-                self.output_ids[lo:], start - lo, self.output_ids[start:], self.logprobs[start:]
-            )
+            return self._chunk(self.output_ids[lo:], start - lo, start)
         if not finish_reason:
             return None
         return self.final_chunk()
@@ -65,23 +75,25 @@ class RequestStream:
         tokens = self.output_ids if self.exclude_input_in_output else (
             self.prompt_ids + self.output_ids
         )
-        return self._chunk(list(tokens), 0, self.output_ids, self.logprobs)
+        return self._chunk(list(tokens), 0, 0)
 
-    def _chunk(
-        self, tokens: list[int], prefix_len: int, output_ids: list[int], logprobs: list[float]
-    ) -> ClientChunk:
+    def _chunk(self, tokens: list[int], prefix_len: int, start: int) -> ClientChunk:
+        """The chunk reporting the output tokens from `start` on."""
+        k = self.top_log_probs
         return ClientChunk(
             cancel_board=self.cancel_board,
             cancel_ticket=self.cancel_ticket,
             tokens=tokens,
             prefix_len=prefix_len,
-            output_ids=list(output_ids),
+            output_ids=self.output_ids[start:],
             finish_reason=self.finish_reason,
             num_input_tokens=len(self.prompt_ids),
             num_output_tokens=len(self.output_ids),
             cum_log_prob=float(sum(self.logprobs)),
-            output_log_probs=list(logprobs) if self.return_log_probs else [],
+            output_log_probs=self.logprobs[start:] if self.return_log_probs else [],
             error="",
+            top_ids=self.top_ids[start * k:],
+            top_log_probs=self.top_lps[start * k:],
         )
 
     @property

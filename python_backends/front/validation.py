@@ -23,6 +23,7 @@ from python_backends.params import SamplingParams
 from python_backends.wire import CLIENT_INPUTS, DEFAULT_TENANT, GenerationRequest, Kind
 
 DEFAULT_MAX_TOKENS = 64
+MAX_TOP_LOG_PROBS = 20  # OpenAI's top_logprobs limit
 MAX_CHARS_PER_TOKEN = 64  # generous: real text averages 3-5
 
 
@@ -291,6 +292,10 @@ def _sampling_params(v: Mapping[str, Any], max_tokens: int,
     min_tokens = v.get("min_tokens", v.get("min_length", 0))
     if not 0 <= min_tokens <= max_tokens:
         raise InvalidRequest("min_tokens", f"must be in [0, max_tokens], got {min_tokens}")
+    top_log_probs = v.get("top_log_probs", 0)
+    if not 0 <= top_log_probs <= MAX_TOP_LOG_PROBS:
+        raise InvalidRequest("top_log_probs", f"must be in [0, {MAX_TOP_LOG_PROBS}], got "
+                             f"{top_log_probs}")
     end_id = v.get("end_id")
     if end_id is not None and end_id < -1:
         raise InvalidRequest("end_id", f"must be a token id, or -1 for none; got {end_id}")
@@ -308,7 +313,9 @@ def _sampling_params(v: Mapping[str, Any], max_tokens: int,
         frequency_penalty=v.get("frequency_penalty", 0.0),
         min_tokens=min_tokens,
         end_ids=end_ids,
-        return_log_probs=v.get("return_log_probs", False),
+        # alternatives come with the sampled token's own log-probability
+        return_log_probs=v.get("return_log_probs", False) or top_log_probs > 0,
+        top_log_probs=top_log_probs,
     )
 
 

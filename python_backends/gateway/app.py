@@ -45,6 +45,7 @@ class Delta:
     text: str
     token_ids: list[int]
     logprobs: list[float]
+    top: list[list[tuple[int, float]]]  # each token's alternatives (with top_logprobs)
     finish_reason: str | None
     tool_calls: list[dict[str, Any]] = field(default_factory=list)  # completed by this delta
 
@@ -194,6 +195,8 @@ def _inputs(gen: Generation, prompt: str | list[int], choice: int) -> dict[str, 
         inputs["max_tokens"] = gen.max_tokens
     if gen.logprobs or gen.best_of > gen.n:  # best_of ranks by cumulative log-probability
         inputs["return_log_probs"] = True
+    if gen.top_logprobs:
+        inputs["top_log_probs"] = gen.top_logprobs
     if gen.cache_salt is not None:
         inputs["cache_salt"] = gen.cache_salt
     if gen.ignore_eos:
@@ -273,15 +276,27 @@ async def _relay(call: Call, choice: Choice, gen: Generation) -> AsyncIterator[D
                 text += choice.tools.flush()
                 if finish == "stop" and choice.tools.calls:
                     finish = "tool_calls"
-        yield Delta(text, piece.token_ids, piece.logprobs, finish, calls)
+        yield Delta(text, piece.token_ids, piece.logprobs, _alternatives(piece, gen), finish,
+                    calls)
         if finish:
             return
+
+
+def _alternatives(piece: Piece, gen: Generation) -> list[list[tuple[int, float]]]:
+    """The piece's alternatives, `gen.top_logprobs` per token (none known: id -1)."""
+    k = gen.top_logprobs
+    if not k:
+        return []
+    return [[(t, lp) for t, lp in zip(piece.top_ids[i * k:(i + 1) * k],
+                                      piece.top_logprobs[i * k:(i + 1) * k], strict=True)
+             if t >= 0] for i in range(len(piece.token_ids))]
 
 
 def _add(choice: Choice, d: Delta) -> None:
     choice.text += d.text
     choice.token_ids += d.token_ids
     choice.logprobs += d.logprobs
+    choice.top += d.top
     choice.finish_reason = d.finish_reason
 
 
@@ -293,8 +308,8 @@ async def _sse(gw: Gateway, calls: list[Call], answer: Answer, endpoint: str,
             if first:
                 d.text = echoes[choice.prompt_index] + d.text
             if d.text or d.finish_reason or d.tool_calls or first:
-                event = answer.chunk(choice, d.text, d.token_ids, d.logprobs, d.finish_reason,
-                                     first, d.tool_calls)
+                event = answer.chunk(choice, d.text, d.token_ids, d.logprobs, d.top,
+                                     d.finish_reason, first, d.tool_calls)
                 yield f"data: {json.dumps(event)}\n\n"
                 first = False
             _add(choice, d)

@@ -23,6 +23,7 @@ MAX_STOPS = 4  # OpenAI's limit
 MAX_CHOICES = 16  # n and best_of, per prompt
 MAX_PROMPTS = 64  # prompts in one completions request
 MAX_PRIORITY = 9  # the server's priorities: 0 (default, last) .. 9 (first)
+MAX_TOP_LOGPROBS = 20  # chat top_logprobs (OpenAI's limit); completions logprobs likewise
 # Sampling fields passed to the ensemble under the same name, with their JSON type.
 _SAMPLING: dict[str, type] = {"temperature": float, "top_p": float, "presence_penalty": float,
                               "frequency_penalty": float, "seed": int}
@@ -69,6 +70,7 @@ class Generation:
     best_of: int = 1  # choices generated per prompt (the n likeliest are returned)
     echo: bool = False  # completions: the prompt's text begins each choice's text
     logprobs: bool = False
+    top_logprobs: int = 0  # alternatives per token, with logprobs
     user: str | None = None
     cache_salt: str | None = None
     ignore_eos: bool = False  # generate until max_tokens, whatever the end token
@@ -104,10 +106,9 @@ def parse_completion(body: Any) -> Generation:
         raise invalid("suffix", "insertion is not supported")
     logprobs = raw.get("logprobs")
     if logprobs is not None:
-        n = _int("logprobs", logprobs, lo=0)
-        if n > 1:
-            raise invalid("logprobs", "the engine gives the sampled token's log-probability "
-                          "only: use 0 or 1")
+        gen.top_logprobs = _int("logprobs", logprobs, lo=0)
+        if gen.top_logprobs > MAX_TOP_LOGPROBS:
+            raise invalid("logprobs", f"at most {MAX_TOP_LOGPROBS}")
         gen.logprobs = True
         if gen.echo:
             raise invalid("echo", "the prompt's log-probabilities are not computed: echo "
@@ -142,9 +143,12 @@ def parse_chat(body: Any) -> Generation:
         raise invalid("logprobs", f"expected a boolean, got {logprobs!r}")
     gen.logprobs = bool(logprobs)
     top = raw.get("top_logprobs")
-    if top is not None and _int("top_logprobs", top, lo=0) > 0:
-        raise invalid("top_logprobs", "alternatives are not available: the engine gives the "
-                      "sampled token's log-probability only (use logprobs: true)")
+    if top is not None:
+        gen.top_logprobs = _int("top_logprobs", top, lo=0)
+        if gen.top_logprobs > MAX_TOP_LOGPROBS:
+            raise invalid("top_logprobs", f"at most {MAX_TOP_LOGPROBS}")
+        if gen.top_logprobs and not gen.logprobs:
+            raise invalid("top_logprobs", "needs logprobs: true")
     return gen
 
 

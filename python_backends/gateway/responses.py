@@ -25,6 +25,7 @@ class Choice:
     text: str = ""  # content (chat: outside tool calls)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top: list[list[tuple[int, float]]] = field(default_factory=list)  # with top_logprobs
     prompt_tokens: int = 0
     completion_tokens: int = 0
     finish_reason: str | None = None
@@ -59,11 +60,11 @@ class Answer:
                 "total_tokens": prompt_tokens + completion}
 
     def chunk(self, choice: Choice, text: str, token_ids: list[int], logprobs: list[float],
-              finish_reason: str | None, first: bool,
+              top: list[list[tuple[int, float]]], finish_reason: str | None, first: bool,
               tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         """One streamed event of `choice` (made before `text` is added to it)."""
         out: dict[str, Any] = {"index": choice.index, "finish_reason": finish_reason,
-                               "logprobs": self._logprobs(token_ids, logprobs,
+                               "logprobs": self._logprobs(token_ids, logprobs, top,
                                                           len(choice.text))}
         if self.gen.chat:
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
@@ -93,7 +94,8 @@ class Answer:
         shown = []
         for index, c in enumerate(self.choices if choices is None else choices):
             out: dict[str, Any] = {"index": index, "finish_reason": c.finish_reason,
-                                   "logprobs": self._logprobs(c.token_ids, c.logprobs, 0)}
+                                   "logprobs": self._logprobs(c.token_ids, c.logprobs, c.top,
+                                                              0)}
             if self.gen.chat:
                 calls = c.tools.calls if c.tools else []
                 out["message"] = {"role": "assistant",
@@ -112,19 +114,29 @@ class Answer:
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.gen.model}
 
-    def _logprobs(self, token_ids: list[int], logprobs: list[float], start: int) -> Any:
-        """`start`: where these tokens' text begins in the choice's text (completions)."""
+    def _logprobs(self, token_ids: list[int], logprobs: list[float],
+                  top: list[list[tuple[int, float]]], start: int) -> Any:
+        """`start`: where these tokens' text begins in the choice's text (completions). `top`:
+        each token's alternatives (with top_logprobs, else none)."""
         if not self.gen.logprobs or not token_ids:
             return None
         tokens = [self.token_text(t) for t in token_ids]
+        alternatives = top or [[] for _ in tokens]
         if self.gen.chat:
-            return {"content": [{"token": tok, "logprob": lp, "bytes": list(tok.encode()),
-                                 "top_logprobs": []} for tok, lp in zip(tokens, logprobs,
-                                                                         strict=False)]}
+            return {"content": [
+                {**self._entry(tok, lp), "top_logprobs": [
+                    self._entry(self.token_text(t), alt) for t, alt in alts]}
+                for tok, lp, alts in zip(tokens, logprobs, alternatives, strict=False)]}
         offsets, at = [], start
         for tok in tokens:
             offsets.append(at)
             at += len(tok)
+        # vLLM's form: each token's alternatives, and the token itself
+        tops = [{**{self.token_text(t): alt for t, alt in alts}, tok: lp}
+                for tok, lp, alts in zip(tokens, logprobs, alternatives, strict=False)]
         return {"tokens": tokens, "token_logprobs": logprobs[:len(tokens)],
-                "top_logprobs": [{tok: lp} for tok, lp in zip(tokens, logprobs, strict=False)],
-                "text_offset": offsets}
+                "top_logprobs": tops, "text_offset": offsets}
+
+    @staticmethod
+    def _entry(token: str, logprob: float) -> dict[str, Any]:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}

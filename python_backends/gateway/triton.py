@@ -47,6 +47,9 @@ class Piece:
     num_input_tokens: int = 0
     num_output_tokens: int = 0
     error: str = ""  # why it failed, with finish_reason "error"
+    # with top_log_probs k: each token's k likeliest alternatives, token by token
+    top_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
 
 
 class TritonClient:
@@ -260,6 +263,8 @@ def read_piece(response: service_pb2.ModelInferResponse) -> Piece:
         num_input_tokens=next(iter(_ints(outputs, "num_input_tokens")), 0),
         num_output_tokens=next(iter(_ints(outputs, "num_output_tokens")), 0),
         error=_text(outputs, "error_message"),
+        top_ids=_ints(outputs, "output_top_ids"),
+        top_logprobs=_floats(outputs, "output_top_log_probs"),
     )
 
 

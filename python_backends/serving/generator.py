@@ -212,6 +212,8 @@ class GeneratorModel(EngineListener):
                 [e.token_id for e in evs], [e.logprob or 0.0 for e in evs],
                 last.finish_reason.value if last.finish_reason else "",
                 last.num_prompt_tokens, last.num_output_tokens,
+                top_ids=[t for e in evs for t, _ in e.top],
+                top_log_probs=[lp for e in evs for _, lp in e.top],
             )), flags, caller.lane)
 
     def on_finished_early(self, seq_id: str, error: Exception | None) -> None:

@@ -62,5 +62,7 @@ class PostprocessingModel:
                 output_log_probs=chunk.output_log_probs,
                 output_ids=chunk.output_ids,
                 error_message=chunk.error,
+                output_top_ids=chunk.top_ids,
+                output_top_log_probs=chunk.top_log_probs,
             ), batched=True), flags=FINAL)
         return None

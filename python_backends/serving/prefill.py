@@ -44,6 +44,8 @@ def prefill_response(result: PrefillResult) -> Any:
         log_prob=result.logprob,
         finish_reason=result.finish_reason.value if result.finish_reason else "",
         kv_handle=result.handle.to_json().encode() if result.handle else b"",
+        top_ids=[t for t, _ in result.event.top] if result.event else [],
+        top_log_probs=[lp for _, lp in result.event.top] if result.event else [],
     ), batched=True)
 
 

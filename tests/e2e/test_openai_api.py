@@ -15,6 +15,7 @@ import jsonschema
 import pytest
 
 from python_backends.bench import vllm_peer
+from python_backends.bench.client import as_list
 from python_backends.metrics_text import metric_sum
 from tests.e2e.conftest import (
     ENGINE_DIR,
@@ -198,6 +199,35 @@ def test_logit_bias_min_p_and_stop_token_ids_keep_their_meanings(
                          extra_body={"stop_token_ids": [stop_id], "priority": -5})
     assert stopped.choices[0].finish_reason == "stop"
     assert stopped.usage.completion_tokens == greedy.index(stop_id) + 1
+
+
+# --- alternatives ---
+
+@pytest.mark.parametrize("route", ["aggregated", "disaggregated"])
+def test_the_ensemble_gives_each_tokens_likeliest_alternatives(
+        server: Server, reference: Reference, route: str) -> None:
+    out = server.client.generate(PROMPTS[0], max_tokens=8, top_log_probs=3, route=route)
+    ids, top = as_list(out["output_ids"]), as_list(out["output_top_ids"])
+    lps = as_list(out["output_top_log_probs"])
+    assert ids == reference.outputs[PROMPTS[0]][:8] and len(top) == len(lps) == 3 * 8
+    for i, token in enumerate(ids):  # greedy: the token is its own likeliest alternative
+        assert top[3 * i] == token
+        assert lps[3 * i] == pytest.approx(as_list(out["output_log_probs"])[i], abs=1e-5)
+        assert lps[3 * i] >= lps[3 * i + 1] >= lps[3 * i + 2]
+
+
+def test_top_logprobs_through_the_gateway(gateway: Gateway, reference: Reference) -> None:
+    client: Any = gateway.openai()
+    chat = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=6,
+                                          logprobs=True, top_logprobs=4)
+    for entry in chat.choices[0].logprobs.content:
+        assert len(entry.top_logprobs) == 4
+        assert entry.top_logprobs[0].token == entry.token
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-5)
+    text = completion(gateway, prompt=PROMPTS[0], max_tokens=6, logprobs=3)
+    tops = text.choices[0].logprobs.top_logprobs
+    assert len(tops) == 6 and all(len(t) == 3 for t in tops)  # the token is the likeliest
+    assert text.choices[0].text == reference.text(PROMPTS[0])[:len(text.choices[0].text)]
 
 
 # --- vLLM's benchmark client ---

@@ -111,3 +111,23 @@ def test_min_p_drops_tokens_below_its_share_of_the_likeliest() -> None:
     p = seq(SamplingParams(max_tokens=4, temperature=1.0, min_p=0.2, seed=5))
     draws = {sample([p], HeadOutput(logits=logits)).token_ids[0] for _ in range(60)}
     assert draws == {0, 1}
+
+
+def test_top_alternatives_come_with_the_sampled_tokens_distribution() -> None:
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0], [2.0, 0.0, 1.0, -1.0]])
+    top2 = SamplingParams(max_tokens=4, return_log_probs=True, top_log_probs=2)
+    plain = SamplingParams(max_tokens=4, return_log_probs=True)
+    r = sample([seq(top2), seq(plain)], HeadOutput(logits=logits))  # the batched greedy path
+    assert r.top is not None and r.top[1] == ()
+    lp = torch.log_softmax(logits[0], -1)
+    assert [t for t, _ in r.top[0]] == [1, 3]
+    assert [v for _, v in r.top[0]] == pytest.approx([float(lp[1]), float(lp[3])])
+    assert r.top[0][0][1] == pytest.approx(r.logprobs[0])  # type: ignore[index]
+    hot = SamplingParams(max_tokens=4, temperature=2.0, seed=1, top_log_probs=3,
+                         return_log_probs=True)
+    r = sample([seq(hot)], HeadOutput(logits=logits[:1]))  # the row path: temperature 2
+    assert r.top is not None
+    tempered = torch.log_softmax(logits[0] / 2.0, -1)
+    assert [t for t, _ in r.top[0]] == [1, 3, 2]
+    assert [v for _, v in r.top[0]] == pytest.approx(tempered[[1, 3, 2]].tolist())
+    assert sample([seq(plain)], HeadOutput(logits=logits[:1])).top is None

@@ -46,7 +46,7 @@ def step(ids: list[int], finish: str = "", error: str = "",
 
 
 def prefilled(token: int, finish: str = "") -> Reply:
-    return Reply(outputs=PrefillReply(token, -0.25, finish, HANDLE).encode(True))
+    return Reply(outputs=PrefillReply(token, -0.25, finish, HANDLE, [], []).encode(True))
 
 
 ACCEPTED = Reply()  # an engine's acceptance: an empty response before the first step

@@ -70,7 +70,7 @@ def test_chat_messages_and_max_completion_tokens() -> None:
      "stream_options"),
     ({"model": "m", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"model": "m", "prompt": "x", "stop": [""]}, "stop"),
-    ({"model": "m", "prompt": "x", "logprobs": 5}, "logprobs"),
+    ({"model": "m", "prompt": "x", "logprobs": 21}, "logprobs"),
     ({"model": "m", "prompt": "x", "seed": -1}, "seed"),
     ({"model": "m", "prompt": "x", "top_k": -2}, "top_k"),
     ({"model": "m", "prompt": "x", "top_k": 1.5}, "top_k"),
@@ -138,6 +138,7 @@ def test_completion_refusals_name_the_field(body: dict[str, Any], field: str) ->
     ({**CHAT, "messages": [{"role": "assistant", "tool_calls": [{"id": "c"}]}]},
      "messages[0].tool_calls[0]"),
     ({**CHAT, "top_logprobs": 2}, "top_logprobs"),
+    ({**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({**CHAT, "logprobs": 1}, "logprobs"),
     ({**CHAT, "prompt": "x"}, "prompt"),
 ])

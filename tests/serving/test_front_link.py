@@ -15,7 +15,8 @@ from tests.serving.conftest import FINAL, FakeError, FakeResponse, Sender
 
 
 def _chunk(ids: list[int], finish_reason: str = "") -> ClientChunk:
-    return ClientChunk("board", 1, ids, 0, ids, finish_reason, 5, len(ids), -1.5, [], "")
+    return ClientChunk("board", 1, ids, 0, ids, finish_reason, 5, len(ids), -1.5, [], "", [],
+                       [])
 
 
 def _text(response: FakeResponse, name: str) -> str:
