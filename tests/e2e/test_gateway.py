@@ -147,8 +147,9 @@ def test_logprobs_as_far_as_the_engine_gives_them(gateway: Gateway) -> None:
 @pytest.mark.parametrize(("key", "body", "status"), [
     ("wrong", {"prompt": "x"}, 401),
     (KEY, {"prompt": "x", "model": "gpt-9"}, 404),
-    (KEY, {"prompt": "x", "logit_bias": {"1": 1}}, 400),
-    (KEY, {"prompt": "x", "min_p": 0.2}, 400),
+    (KEY, {"prompt": "x", "suffix": "y"}, 400),
+    (KEY, {"prompt": "x", "priority": 3}, 400),
+    (KEY, {"prompt": "x", "logit_bias": {"1": 101}}, 400),
     (KEY, {"prompt": "x", "top_p": 1.5}, 400),  # the server's own check, passed through
 ])
 def test_error_statuses_with_openai_bodies(gateway: Gateway, key: str, body: dict[str, Any],
