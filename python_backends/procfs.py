@@ -95,6 +95,24 @@ class Process:
         return bool(caught >> (signum - 1) & 1)
 
 
+# Instruction sets the engine's CPU paths depend on, as /proc/cpuinfo names them.
+ISA_FLAGS = ("amx_tile", "avx512_bf16", "avx512f", "avx2")
+
+
+def cpu_description() -> str:
+    """The CPU's model name and which of ISA_FLAGS it has, for benchmark records."""
+    try:
+        lines = (PROC / "cpuinfo").read_text().splitlines()
+    except OSError:
+        return "unknown CPU"
+    model = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")),
+                 "unknown CPU")
+    flags = set(next((ln.split(":", 1)[1].split() for ln in lines if ln.startswith("flags")),
+                     []))
+    have = [f for f in ISA_FLAGS if f in flags]
+    return f"{model} ({', '.join(have) if have else 'none of ' + '/'.join(ISA_FLAGS)})"
+
+
 def process(pid: int | str) -> Process | None:
     """The process `pid`, None if it is gone."""
     try:

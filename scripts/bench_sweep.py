@@ -14,11 +14,21 @@ server's own TTFT histogram over each level and prints it against aiperf's (they
 same thing from two ends), and with `--breakdown` where a token's time goes (CPU per process,
 the engine loop's phases; python_backends/bench/breakdown.py).
 
-aiperf runs from its own environment, `.venv-aiperf`, which scripts/test.sh creates (see
-python_backends/bench/aiperf.py).
+`--client vllm` measures with vLLM's own serving benchmark client (`vllm bench serve`,
+backend `openai-chat`, unpaced: every free concurrency slot refilled at once) against our
+gateway's and the peer's OpenAI endpoints instead, on `--dataset synthetic` (random prompts of
+--prompt-tokens, --output-tokens with the end token ignored) or `--dataset chat`
+(scripts/data/chat-prompts.jsonl: questions, instructions, code, summaries of a passage and
+follow-ups written for this benchmark; greedy, up to --chat-max-tokens, ending at the end
+token). Every row records its client, pacing, dataset, the CPU (model and instruction sets) and
+our server's speculative draft acceptance over the level.
+
+aiperf runs from its own environment, `.venv-aiperf`, and vLLM's client from the peer's,
+`.venv-vllm`; scripts/test.sh creates both (python_backends/bench/aiperf.py, vllm_peer.py).
 
     python scripts/bench_sweep.py --start-server --peer vllm --rounds 2 --breakdown
     python scripts/bench_sweep.py --peer-url http://127.0.0.1:8100 --peer-model SmolLM2
+    python scripts/bench_sweep.py --start-server --peer vllm --client vllm --dataset chat
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -38,11 +49,21 @@ from urllib.parse import urlsplit
 
 from python_backends.bench.aiperf import PACE_HZ, AiperfError, Target, find_aiperf, profile
 from python_backends.bench.breakdown import breakdown, format_breakdown, server_pid, snapshot
-from python_backends.bench.vllm_peer import VllmServer, ensure_env, export_checkpoint
-from python_backends.config import DEFAULT_ENGINE_DIR
-from python_backends.metrics_text import histogram_mean, scrape
+from python_backends.bench.vllm_peer import VllmServer, bench_serve, ensure_env, export_checkpoint
+from python_backends.config import DEFAULT_ENGINE_DIR, PROJECT_ROOT
+from python_backends.metrics_text import histogram_mean, metric_sum, scrape
 from python_backends.net import free_port
-from python_backends.ops.launcher import server_for
+from python_backends.ops.launcher import (
+    ServerOptions,
+    TritonServer,
+    launch_gateway,
+    server_for,
+    stop_process,
+)
+from python_backends.procfs import cpu_description
+
+CHAT_DATASET = PROJECT_ROOT / "scripts" / "data" / "chat-prompts.jsonl"
+AIPERF, VLLM_CLIENT = "aiperf", "vllm bench serve"
 
 # (aiperf's JSON key, our column)
 FIELDS = [
@@ -137,6 +158,16 @@ def _parser() -> argparse.ArgumentParser:
                     "on this host")
     ap.add_argument("--out-dir", type=Path, default=Path("bench-results"))
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per aiperf run")
+    ap.add_argument("--client", choices=("aiperf", "vllm"), default="aiperf",
+                    help="aiperf against the ensemble (default), or vLLM's own benchmark client "
+                    "against OpenAI endpoints (ours: a gateway, --gateway-url, or one started "
+                    "with --start-server)")
+    ap.add_argument("--dataset", choices=("synthetic", "chat"), default="synthetic",
+                    help="with --client vllm: chat is scripts/data/chat-prompts.jsonl")
+    ap.add_argument("--chat-max-tokens", type=int, default=128)
+    ap.add_argument("--gateway-url", default="http://127.0.0.1:9000",
+                    help="with --client vllm: our gateway (OpenAI API)")
+    ap.add_argument("--model", default="smollm2", help="the model name our gateway serves")
     ap.add_argument("--pace-hz", type=float, default=PACE_HZ,
                     help="how often a second aiperf looks for a free concurrency slot (a constant "
                          "request rate capped by the concurrency); 0: aiperf's plain concurrency "
@@ -174,6 +205,8 @@ def _measure(args: argparse.Namespace, aiperf: str, target: Target, c: int, tmp:
     except AiperfError as e:
         raise SystemExit(str(e)) from e
     row = row_of(target.name, c, result)
+    row.update(client=AIPERF, pacing=f"{args.pace_hz} Hz" if args.pace_hz else "unpaced",
+               dataset="synthetic", cpu=cpu_description())
     row["aiperf_pace_hz"] = args.pace_hz
     after = snapshot(pid, metrics_url) if snap is not None and pid and metrics_url else None
     if metrics_url:  # (one scrape for both the TTFT and the breakdown)
@@ -189,8 +222,101 @@ def _measure(args: argparse.Namespace, aiperf: str, target: Target, c: int, tmp:
     return row
 
 
+def _measure_vllm_client(args: argparse.Namespace, url: str, model: str, name: str, c: int,
+                         tmp: Path, metrics_url: str | None) -> dict[str, Any]:
+    """One level with vLLM's client (openai-chat, unpaced) against `url`'s OpenAI API."""
+    n = max(args.requests, 2 * c)
+    print(f"[sweep] {name} concurrency {c}: {n} requests, vLLM's client, {args.dataset} ...",
+          flush=True)
+    if args.dataset == "chat":
+        data = ["--dataset-name", "custom", "--dataset-path", str(CHAT_DATASET),
+                "--skip-chat-template", "--custom-output-len", str(args.chat_max_tokens)]
+    else:
+        data = ["--dataset-name", "random", "--random-input-len", str(args.prompt_tokens),
+                "--random-output-len", str(args.output_tokens), "--ignore-eos"]
+    before = scrape(metrics_url) if metrics_url else {}
+    result = bench_serve(url, model, args.engine, "openai-chat", tmp / f"{name}-c{c}.json", [
+        *data, "--temperature", "0", "--num-prompts", str(n), "--max-concurrency", str(c),
+        "--request-rate", "inf", "--percentile-metrics", "ttft,itl", "--metric-percentiles",
+        "50,95", "--seed", "0"], timeout_s=args.timeout)
+    if result["failed"]:
+        raise SystemExit(f"{name}: {result['failed']} of {n} requests failed")
+    row: dict[str, Any] = {
+        "target": name, "concurrency": c, "client": VLLM_CLIENT, "pacing": "unpaced",
+        "dataset": args.dataset, "requests_per_s": result["request_throughput"],
+        "output_tokens_per_s": result["output_throughput"],
+        "output_tokens": result["total_output_tokens"]}
+    for col, key in (("ttft", "ttft"), ("itl", "itl")):
+        for q in ("p50", "p95"):
+            row[f"{col}_{q}_ms"] = result[f"{q}_{key}_ms"]
+    if metrics_url:
+        row["draft_acceptance"] = _acceptance(before, scrape(metrics_url))
+    print(f"[sweep]   {row['output_tokens_per_s']:.1f} tok/s ({row['output_tokens']} tokens), "
+          f"TTFT p95 {row['ttft_p95_ms']:.0f} ms, ITL p50 {row['itl_p50_ms']:.1f} ms", flush=True)
+    return row
+
+
+def _acceptance(before: dict[str, Any], after: dict[str, Any]) -> float | None:
+    """Of the speculative draft tokens computed between two scrapes, the share kept."""
+    drafted = (metric_sum(after, "llm_spec_draft_tokens_total")
+               - metric_sum(before, "llm_spec_draft_tokens_total"))
+    kept = (metric_sum(after, "llm_spec_accepted_tokens_total")
+            - metric_sum(before, "llm_spec_accepted_tokens_total"))
+    return kept / drafted if drafted else None
+
+
+@contextlib.contextmanager
+def _our_openai(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
+    """(gateway URL, metrics URL) of our server for --client vllm: one started on free ports
+    with a gateway in front (--start-server), else the given ones."""
+    if not args.start_server:
+        yield args.gateway_url, args.metrics_url
+        return
+    opts = ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+                         engine_dir=args.engine, log_file=Path("/tmp/bench-sweep-triton.log"))
+    with TritonServer(opts) as server:
+        server.wait_ready(progress=True)
+        port = free_port()
+        gateway = launch_gateway(["--backend", f"127.0.0.1:{opts.grpc_port},{opts.metrics_url}",
+                                  "--engine", str(args.engine), "--model", args.model],
+                                 "127.0.0.1", port,
+                                 log=Path("/tmp/bench-sweep-gateway.log"))
+        try:
+            yield f"http://127.0.0.1:{port}", opts.metrics_url
+        finally:
+            stop_process(gateway)
+
+
+def main_vllm_client(args: argparse.Namespace) -> int:
+    levels = [int(c) for c in args.concurrency.split(",")]
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    rows: list[dict[str, Any]] = []
+    cpu = cpu_description()
+    with contextlib.ExitStack() as stack:
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        url, metrics_url = stack.enter_context(_our_openai(args))
+        peer = _peer(args, stack)
+        ours = ("ours", url, args.model)
+        targets_all = [ours] + ([(peer.name, peer.url, peer.model)] if peer else [])
+        for r in range(1, args.rounds + 1):
+            for c in levels:
+                for name, target_url, model in targets_all[:: 1 if r % 2 else -1]:
+                    row = _measure_vllm_client(args, target_url, model, name, c, tmp,
+                                               metrics_url if name == "ours" else None)
+                    rows.append({"round": r, **row, "cpu": cpu})
+    write_results(rows, args.out_dir)
+    print(f"\nclient {VLLM_CLIENT} (openai-chat), unpaced; dataset {args.dataset}; CPU {cpu}")
+    print_tables(rows, "ours", peer.name if peer else None)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.client == "vllm":
+        return main_vllm_client(args)
+    if args.dataset != "synthetic":
+        raise SystemExit("--dataset chat: with --client vllm (aiperf drives the synthetic "
+                         "workload here)")
     aiperf = find_aiperf(args.aiperf)
     if aiperf is None:
         raise SystemExit("aiperf not found: run scripts/test.sh once (it creates .venv-aiperf), "

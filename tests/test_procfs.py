@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from python_backends import procfs
 
@@ -128,3 +129,14 @@ def test_threads_and_resident_shared_memory_by_segment() -> None:
     finally:
         region.close()
         os.unlink(path)
+
+
+def test_the_cpu_is_described_by_its_model_and_instruction_sets() -> None:
+    described = procfs.cpu_description()
+    flags = set()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    have = [f for f in procfs.ISA_FLAGS if f in flags]
+    assert described.endswith(f"({', '.join(have)})" if have else ")")
