@@ -181,11 +181,15 @@ class Scheduler:
         if (not spec.enabled or not p.greedy or p.needs_logits_processing
                 or seq.prefill_only):
             return ()
+        if seq.draft_pause:
+            seq.draft_pause -= 1
+            return ()
         if seq.ngrams is None:
             seq.ngrams = NgramIndex(spec.ngram_lengths)
         room = min(p.max_tokens - seq.num_output_tokens,
                    self.limits.max_seq_len - seq.num_tokens) - 1
-        longest = spec.num_tokens if seq.draft_limit is None else seq.draft_limit
+        longest = (spec.num_tokens if seq.draft_limit is None or not spec.adaptive
+                   else seq.draft_limit)
         limit = min(longest, budget, room)
         return grammar_draft(seq, tuple(seq.ngrams.draft(seq.token_ids(), limit)))
 
@@ -268,6 +272,8 @@ class Scheduler:
             self.num_draft_tokens += len(draft)
             self.num_accepted_tokens += kept
             seq.draft_limit = min(self.speculation.num_tokens, kept + 1)
+            seq.draft_misses = 0 if kept else seq.draft_misses + 1
+            seq.draft_pause = self.speculation.draft_pause(seq.draft_misses)
         return drawn, reason
 
     def _blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:

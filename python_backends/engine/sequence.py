@@ -62,6 +62,8 @@ class Sequence:
     # the engine's longest).
     ngrams: NgramIndex | None = field(default=None, repr=False)
     draft_limit: int | None = None
+    draft_misses: int = 0  # drafts in a row of which nothing was kept
+    draft_pause: int = 0  # decode steps left before it drafts again
     # Structured output: the llguidance matcher of a guided sequence (engine.guided), fed every
     # token it appends.
     matcher: Any = field(default=None, repr=False)

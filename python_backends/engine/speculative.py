@@ -17,15 +17,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MAX_DRAFT_PAUSE = 32  # steps: the longest a sequence whose drafts keep failing stops drafting
+
 
 @dataclass(frozen=True)
 class SpeculationConfig:
     """`num_tokens`: the longest draft (0: off). `ngram_max`..`ngram_min`: the n-gram lengths
-    looked up, longest first."""
+    looked up, longest first. `adaptive`: each sequence's drafts follow its own acceptance (a
+    draft is one token longer than its last one kept, and a sequence whose drafts keep failing
+    pauses drafting, `draft_pause`); else every draft is as long as a match allows."""
 
     num_tokens: int = 0
     ngram_max: int = 3
     ngram_min: int = 2
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         if self.num_tokens < 0:
@@ -37,6 +42,12 @@ class SpeculationConfig:
     @property
     def enabled(self) -> bool:
         return self.num_tokens > 0
+
+    def draft_pause(self, misses: int) -> int:
+        """The steps a sequence drafts nothing after `misses` drafts in a row of which nothing
+        was kept: 1, 3, 7, ... up to MAX_DRAFT_PAUSE, so text that does not repeat itself
+        costs at most a draft now and then, and text that starts repeating drafts again soon."""
+        return min(2 ** misses - 1, MAX_DRAFT_PAUSE) if self.adaptive and misses else 0
 
     @property
     def ngram_lengths(self) -> tuple[int, ...]:

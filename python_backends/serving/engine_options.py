@@ -27,5 +27,7 @@ def prefix_caching(options: EngineOptions) -> dict[str, Any]:
 
 
 def speculation(options: GeneratorOptions) -> SpeculationConfig:
-    """`num_speculative_tokens`: prompt-lookup drafts (engine.speculative, docs/engines.md)."""
-    return SpeculationConfig(options.num_speculative_tokens)
+    """`num_speculative_tokens`, `adaptive_speculation`: prompt-lookup drafts
+    (engine.speculative, docs/engines.md)."""
+    return SpeculationConfig(options.num_speculative_tokens,
+                             adaptive=options.adaptive_speculation)

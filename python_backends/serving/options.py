@@ -83,6 +83,9 @@ class GeneratorOptions(EngineOptions):
     enable_chunked_prefill: bool = True
     # the longest prompt-lookup draft a greedy sequence proposes per step (0: off)
     num_speculative_tokens: int = 4
+    # drafts follow each sequence's acceptance, pausing where they keep failing
+    # (engine.speculative); false: every draft as long as a match allows
+    adaptive_speculation: bool = True
     # admission weights by tenant, a JSON object of numbers ({"default": 1, "gold": 3})
     tenant_weights: str = "{}"
     drain_timeout_seconds: float = 60.0  # a reload waits this long for running sequences

@@ -203,3 +203,46 @@ def test_drafts_never_preempt_and_preemption_keeps_the_output(tiny_llama: TinyMo
     engine = tiny_llama.engine(num_kv_blocks=30, speculation=SPEC)
     assert run_all(engine, batch, 24) == [tiny_llama.greedy(p, 24) for p in batch]
     assert engine.scheduler.num_preemptions > 0 and _drafts(engine)[0] > 0
+
+
+class Wrong:
+    """Drafts `limit` tokens that are never the model's choice (until `good_after` calls, then
+    the right ones): text on which lookup drafting does not pay."""
+
+    def __init__(self, prompt: list[int], want: list[int], good_after: int = 10**9) -> None:
+        self.prompt, self.want, self.good_after, self.calls = prompt, want, good_after, 0
+
+    def draft(self, tokens: list[int], limit: int) -> list[int]:
+        self.calls += 1
+        done = len(tokens) - len(self.prompt)
+        right = self.want[done:done + limit]
+        return right if self.calls > self.good_after else [(t + 1) % 250 for t in right]
+
+
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_drafts_that_keep_failing_pause_and_come_back_when_they_pay(
+        tiny_llama: TinyModel, adaptive: bool) -> None:
+    """Adaptive: a sequence whose drafts are never kept drafts less and less often (pauses of
+    1, 3, 7, 15 steps), so it costs next to nothing; fixed drafts at every step. Either way
+    the output is HF's."""
+    p = prompts(1, seed=5)[0]
+    want = tiny_llama.greedy(p, 40)
+    engine = tiny_llama.engine(speculation=SpeculationConfig(4, adaptive=adaptive))
+    seq = engine.add_request("s", p, SamplingParams(max_tokens=40))
+    oracle = Wrong(p, want)
+    seq.ngrams = oracle  # type: ignore[assignment]
+    while engine.has_unfinished:
+        engine.step()
+    assert seq.output_ids == want
+    # adaptive: drafts at decode steps 1, 3, 7, 15, 31 (each pause doubling), fixed: all 39
+    assert oracle.calls == (5 if adaptive else 39)
+    assert _drafts(engine)[1] == 0
+    # drafts that start paying reset the pauses: most later tokens come from drafts
+    engine = tiny_llama.engine(speculation=SpeculationConfig(4))
+    seq = engine.add_request("t", p, SamplingParams(max_tokens=40))
+    seq.ngrams = Wrong(p, want, good_after=2)  # type: ignore[assignment]
+    steps = 0
+    while engine.has_unfinished:
+        engine.step()
+        steps += 1
+    assert seq.output_ids == want and steps < 20
