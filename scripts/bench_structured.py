@@ -24,9 +24,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from python_backends.config import DEFAULT_ENGINE_DIR
 from python_backends.engine import guided, sampler
 from python_backends.engine.llm_engine import LLMEngine
+from python_backends.engine.sequence import Sequence
 from python_backends.params import SamplingParams
 
 SCHEMA = {"type": "object", "additionalProperties": False,
@@ -41,15 +44,16 @@ APPLY_SECONDS = [0.0]  # applying them on the engine thread (with any row filled
 _fill, _apply = guided.allowed_tokens, sampler.mask_logits
 
 
-def timed_fill(seqs: list[Any], vocab: int) -> Any:
+def timed_fill(rows: list[tuple[Sequence, tuple[int, ...]]], vocab: int) -> guided.Masks:
     start = time.perf_counter()
     try:
-        return _fill(seqs, vocab)
+        return _fill(rows, vocab)
     finally:
         FILL_SECONDS[0] += time.perf_counter() - start
 
 
-def timed_apply(seqs: list[Any], logits: Any, masks: Any = None) -> None:
+def timed_apply(seqs: list[Sequence], logits: torch.Tensor,
+                masks: guided.Masks | None = None) -> None:
     start = time.perf_counter()
     _apply(seqs, logits, masks)
     APPLY_SECONDS[0] += time.perf_counter() - start

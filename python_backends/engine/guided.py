@@ -17,15 +17,12 @@ from __future__ import annotations
 import functools
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from python_backends import guides
 from python_backends.engine.sequence import Sequence
-
-if TYPE_CHECKING:
-    from python_backends.engine.scheduler import ScheduledSequence
 
 
 class GuideMatchers:
@@ -79,11 +76,12 @@ _FILLER = ThreadPoolExecutor(1, thread_name_prefix="guide-masks")
 Masks = dict[tuple[str, int], torch.Tensor]
 
 
-def start_masks(scheduled: list[ScheduledSequence], vocab: int) -> Future[Masks] | None:
-    """Begin filling the token masks of the step's guided rows that will be sampled (each
-    matcher's state is final until the step's tokens are fed to it, after sampling)."""
-    rows = [(item.seq, item.draft) for item in scheduled
-            if item.samples and item.seq.matcher is not None]
+def start_masks(sampled: list[tuple[Sequence, tuple[int, ...]]],
+                vocab: int) -> Future[Masks] | None:
+    """Begin filling the token masks of the guided ones of a step's sampled sequences (each
+    with its draft): each matcher's state is final until the step's tokens are fed to it,
+    after sampling."""
+    rows = [(seq, draft) for seq, draft in sampled if seq.matcher is not None]
     return _FILLER.submit(allowed_tokens, rows, vocab) if rows else None
 
 

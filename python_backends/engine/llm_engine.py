@@ -224,7 +224,8 @@ class LLMEngine:
     def _run(self, out: SchedulerOutput) -> list[TokenEvent]:
         times, t0 = self.step_seconds, time.perf_counter()
         prepared = self.runner.prepare_seconds
-        masks = guided.start_masks(list(out.scheduled), self.config.model.vocab_size)
+        masks = guided.start_masks([(s.seq, s.draft) for s in out.scheduled if s.samples],
+                                   self.config.model.vocab_size)
         head, sampling = self.runner.run(out)
         t1 = time.perf_counter()
         prepare = self.runner.prepare_seconds - prepared
