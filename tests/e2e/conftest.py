@@ -293,3 +293,17 @@ def start_gateway(tmp: Path, config: dict[str, Any], healthy: bool = True) -> Ga
 
 def stop_gateway(gw: Gateway) -> None:
     stop_process(gw.proc)
+
+
+@pytest.fixture(scope="session")
+def gateway(server: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    """A plain gateway (no keys, no limits) in front of the session's server alone; modules
+    that need another configuration define their own `gateway`."""
+    o = server.options
+    gw = start_gateway(tmp_path_factory.mktemp("gateway"), {
+        "engine_dir": str(ENGINE_DIR),
+        "backends": [{"name": "local", "grpc": f"127.0.0.1:{o.grpc_port}",
+                      "metrics": o.metrics_url}],
+    })
+    yield gw
+    stop_gateway(gw)

@@ -7,7 +7,6 @@ benchmark client (both of its OpenAI backends) completing every request."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +23,6 @@ from tests.e2e.conftest import (
     Gateway,
     Reference,
     Server,
-    start_gateway,
-    stop_gateway,
 )
 
 pytestmark = pytest.mark.e2e
@@ -36,18 +33,6 @@ WEATHER: dict[str, Any] = {"type": "function", "function": {
                    "properties": {"city": {"type": "string", "maxLength": 20},
                                   "unit": {"enum": ["celsius", "fahrenheit"]}}}}}
 QUESTION = [{"role": "user", "content": "What is the weather like in Paris today?"}]
-
-
-@pytest.fixture(scope="module")
-def gateway(server: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    o = server.options
-    gw = start_gateway(tmp_path_factory.mktemp("gateway"), {
-        "engine_dir": str(ENGINE_DIR),
-        "backends": [{"name": "local", "grpc": f"127.0.0.1:{o.grpc_port}",
-                      "metrics": o.metrics_url}],
-    })
-    yield gw
-    stop_gateway(gw)
 
 
 def completion(gw: Gateway, **body: Any) -> Any:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -18,23 +17,11 @@ import pydantic
 import pytest
 
 from python_backends.bench.client import GenerateError, as_list
-from tests.e2e.conftest import ENGINE_DIR, Gateway, Server, start_gateway, stop_gateway
+from tests.e2e.conftest import ENGINE_DIR, Gateway, Server
 
 pytestmark = pytest.mark.e2e
 MODEL = "smollm2"
 SCHEMAS = 50
-
-
-@pytest.fixture(scope="module")
-def gateway(server: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    o = server.options
-    gw = start_gateway(tmp_path_factory.mktemp("gateway"), {
-        "engine_dir": str(ENGINE_DIR),
-        "backends": [{"name": "local", "grpc": f"127.0.0.1:{o.grpc_port}",
-                      "metrics": o.metrics_url}],
-    })
-    yield gw
-    stop_gateway(gw)
 
 
 def make_schema(rng: random.Random, depth: int = 0) -> dict[str, Any]:
