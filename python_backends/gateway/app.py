@@ -235,27 +235,35 @@ async def _open_calls(gw: Gateway, requests: list[list[BackendRequest]],
                       arrived: float) -> list[Call]:
     """The calls of every choice, in order. Per prompt, its first call alone, then the rest
     on the same server once the first has answered (its prompt is in the prefix cache then:
-    `n` choices compute it once). A failure closes what was opened."""
+    `n` choices compute it once). A failure closes every call that was opened, once all the
+    opening has ended (none is left open on a server)."""
     opened: list[list[Call]] = [[] for _ in requests]
 
     async def of_prompt(i: int) -> None:
         first = await gw.open(requests[i][0], arrived)
         opened[i].append(first)
-        for call in await asyncio.gather(*(gw.open(r, arrived, prefer=first.backend.name)
-                                           for r in requests[i][1:]),
-                                         return_exceptions=True):
-            if isinstance(call, BaseException):
-                raise call
-            opened[i].append(call)
+        _raise_first(opened[i], await asyncio.gather(
+            *(gw.open(r, arrived, prefer=first.backend.name) for r in requests[i][1:]),
+            return_exceptions=True))
 
     try:
-        await asyncio.gather(*(of_prompt(i) for i in range(len(requests))))
+        _raise_first([], await asyncio.gather(*(of_prompt(i) for i in range(len(requests))),
+                                              return_exceptions=True))
     except BaseException:
         for calls in opened:
             for call in calls:
                 await call.close()
         raise
     return [call for calls in opened for call in calls]
+
+
+def _raise_first(calls: list[Call], results: list[Any]) -> None:
+    """Add the calls among `results` (asyncio.gather's, exceptions returned) to `calls`, then
+    raise the first exception among them, if any."""
+    calls += [r for r in results if not isinstance(r, BaseException) and r is not None]
+    error = next((r for r in results if isinstance(r, BaseException)), None)
+    if error is not None:
+        raise error
 
 
 async def _relay(call: Call, choice: Choice, gen: Generation) -> AsyncIterator[Delta]:
