@@ -21,7 +21,7 @@ from python_backends.engine.prefix_cache import KVTier, PrefixCache
 from python_backends.engine.ranks import RankGroup, threads_per_rank
 from python_backends.engine.sampler import SampleResult, sample
 from python_backends.engine.scheduler import Scheduler, SchedulerOutput
-from python_backends.engine.sequence import Sequence
+from python_backends.engine.sequence import Sequence, Top
 from python_backends.engine.speculative import SpeculationConfig
 from python_backends.engine.waiting_queue import WaitingQueue
 from python_backends.kv_transfer.layout import KVLayout
@@ -58,7 +58,7 @@ class TokenEvent:
     kv_blocks: tuple[int, ...] | None = None
     kv_tokens: int = 0
     # with params.top_log_probs: the likeliest alternatives (token id, log-probability)
-    top: tuple[tuple[int, float], ...] = ()
+    top: Top = ()
 
 
 @dataclass(frozen=True)

@@ -12,11 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from python_backends.engine.guided import Masks, mask_logits
-from python_backends.engine.sequence import Sequence
+from python_backends.engine.sequence import Sequence, Top
 from python_backends.params import SamplingParams
-
-# A token's likeliest alternatives: (token id, log-probability) pairs, likeliest first.
-Top = tuple[tuple[int, float], ...]
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,8 @@ from python_backends.params import FinishReason, SamplingParams
 from python_backends.prefix_hash import BlockHash, block_hash
 
 RELEASED = -1  # a block_table entry whose block was released behind a sliding window
+# A token's likeliest alternatives: (token id, log-probability) pairs, likeliest first.
+Top = tuple[tuple[int, float], ...]
 
 
 class SequenceStatus(enum.Enum):
@@ -40,8 +42,8 @@ class Sequence:
     first_token_time: float | None = None  # first token drawn here (or handed-off arrival)
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
-    # with params.top_log_probs: each output token's likeliest alternatives (sampler.Top)
-    output_top: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
+    # with params.top_log_probs: each output token's likeliest alternatives
+    output_top: list[Top] = field(default_factory=list)
     num_computed_tokens: int = 0
     # The KV block of each block of positions. Under a sliding window the leading ones no query
     # can see any more are released (Scheduler._release_behind_window) and read RELEASED.

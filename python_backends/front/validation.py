@@ -185,11 +185,15 @@ def _token_ids(name: str, arr: np.ndarray, vocab_size: int | None) -> list[int]:
     if arr.dtype.kind not in "iu":
         raise InvalidRequest(name, f"expected an integer type, got {arr.dtype}")
     ids = [int(t) for t in arr.reshape(-1)]
+    _in_vocabulary(name, ids, vocab_size)
+    return ids
+
+
+def _in_vocabulary(name: str, ids: list[int], vocab_size: int | None) -> None:
     bad = next((t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)), None)
     if bad is not None:
         raise InvalidRequest(name, f"token id {bad} is outside the vocabulary (0-"
                              f"{(vocab_size or 0) - 1})")
-    return ids
 
 
 def _end_ids(end_ids: tuple[int, ...], inputs: Mapping[str, np.ndarray],
@@ -223,8 +227,7 @@ def _logit_bias(inputs: Mapping[str, np.ndarray],
             token = int(key)
         except ValueError:
             raise InvalidRequest("logit_bias", f"key {key!r} is not a token id") from None
-        if token < 0 or (vocab_size is not None and token >= vocab_size):
-            raise InvalidRequest("logit_bias", f"token id {token} is outside the vocabulary")
+        _in_vocabulary("logit_bias", [token], vocab_size)
         if isinstance(bias, bool) or not isinstance(bias, int | float) or not (
                 -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
             raise InvalidRequest("logit_bias", f"the bias of token {token} must be a number "

@@ -82,10 +82,6 @@ class Generation:
     tool_choice: str = "none"
     parallel_tool_calls: bool = True  # tool_choice required: one call or more
 
-    @property
-    def prompt(self) -> str | list[int]:
-        return self.prompts[0]
-
 
 def parse_completion(body: Any) -> Generation:
     raw = _object(body, COMPLETION_FIELDS)
@@ -128,13 +124,9 @@ def parse_chat(body: Any) -> Generation:
         if gen.guide is not None:
             raise invalid("tool_choice", "a required tool call is itself a structured output:"
                           " it cannot be combined with response_format or structured_outputs")
-        gen.guide = ("ebnf_grammar", tools.call_grammar(gen.tools, gen.tool_choice,
-                                                         gen.parallel_tool_calls))
-        try:
-            guides.grammar(*gen.guide)
-        except guides.InvalidGuide as e:
-            raise invalid("tools", f"a function's parameters are not a schema the output "
-                          f"can follow: {e}") from None
+        gen.guide = _compiled("tools", "a function's parameters are not a schema the output "
+                              "can follow", ("ebnf_grammar", tools.call_grammar(
+                                  gen.tools, gen.tool_choice, gen.parallel_tool_calls)))
     gen.messages = _messages(raw.get("messages"))
     if raw.get("max_completion_tokens") is not None:
         gen.max_tokens = _int("max_completion_tokens", raw["max_completion_tokens"], lo=1)
@@ -260,10 +252,15 @@ def _guide(raw: dict[str, Any]) -> tuple[str, str] | None:
         where, guide = name, _vllm_guide(name, name.removeprefix("guided_"), value)
     if guide is None:
         return None
+    return _compiled(where, f"not a valid {guide[0].replace('_', ' ')}", guide)
+
+
+def _compiled(where: str, why: str, guide: tuple[str, str]) -> tuple[str, str]:
+    """`guide`, once it compiles (guides.grammar: cached); a 400 naming `where` if not."""
     try:
         guides.grammar(*guide)
     except guides.InvalidGuide as e:
-        raise invalid(where, f"not a valid {guide[0].replace('_', ' ')}: {e}") from None
+        raise invalid(where, f"{why}: {e}") from None
     return guide
 
 
@@ -320,8 +317,7 @@ def _vllm_fields(raw: dict[str, Any], gen: Generation) -> None:
         gen.sampling["min_p"] = min_p  # 0 is off, the server's default
     stop_ids = raw.get("stop_token_ids")
     if stop_ids is not None:
-        if not isinstance(stop_ids, list) or not all(
-                isinstance(i, int) and not isinstance(i, bool) for i in stop_ids):
+        if stop_ids != [] and not _is_ids(stop_ids):
             raise invalid("stop_token_ids", "expected a list of token ids")
         if stop_ids:
             gen.sampling["stop_token_ids"] = stop_ids

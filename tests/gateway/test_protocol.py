@@ -26,7 +26,8 @@ def test_completion_fields_map_to_the_ensemble() -> None:
                             "temperature": 0, "top_p": 0.5, "seed": 3, "presence_penalty": 1,
                             "frequency_penalty": 0.5, "logprobs": 1, "user": "team-a",
                             "cache_salt": "s"})
-    assert (gen.prompt, gen.max_tokens, gen.stream, gen.include_usage) == ("Once", 8, True, True)
+    assert (gen.prompts, gen.max_tokens, gen.stream, gen.include_usage) == (["Once"], 8, True,
+                                                                            True)
     assert gen.stops == ["\n"] and gen.logprobs and not gen.chat
     assert gen.sampling == {"temperature": 0.0, "top_p": 0.5, "seed": 3,
                             "presence_penalty": 1.0, "frequency_penalty": 0.5}
