@@ -3,12 +3,13 @@
 A greedy row needs only the argmax of its logits x W^T (W [V, K], one row w per token). The
 native kernel estimates all of them from bfloat16 roundings x0 of x and w0 of W
 (`screen_linear`: one AMX tile product per output tile instead of the float32 projection's six,
-from a bfloat16 copy of W packed once, half its bytes), and a bound on each estimate's error
-leaves only the few tokens whose logit could be the largest (`screen_candidates`); their logits
-are then computed in float32 from the float32 weight. The token is the argmax of those float32
-logits, so the same token as computing every logit in float32 (the lowest index among equal
-largest values, as `max` picks), whatever the estimates' errors, because for every row x and
-token w
+or on AVX-512 bfloat16 dot products where there are no tiles, twice float32's multiply-adds per
+instruction; from a bfloat16 copy of W packed once, half its bytes), and a bound on each
+estimate's error leaves only the few tokens whose logit could be the largest
+(`screen_candidates`); their logits are then computed in float32 from the float32 weight. The
+token is the argmax of those float32 logits, so the same token as computing every logit in
+float32 (the lowest index among equal largest values, as `max` picks), whatever the estimates'
+errors, because for every row x and token w
 
     |x . w - x0 . w0| <= |x - x0| |w| + |x0| |w - w0|       (Cauchy-Schwarz, term by term)
 
@@ -45,10 +46,10 @@ class GreedyHead:
 
     @classmethod
     def build(cls, weight: torch.Tensor) -> GreedyHead | None:
-        """For a float32 CPU weight [V, K] where the native kernels compute on AMX tiles; else
-        None (the caller computes the logits)."""
+        """For a float32 CPU weight [V, K] where the native kernels screen (AMX tiles or
+        AVX-512 bf16: kernels.screen_path); else None (the caller computes the logits)."""
         if (weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2
-                or not kernels.load() or not torch.ops.llm_kernels.linear_amx()):
+                or not kernels.screen_path()):
             return None
         weight = weight.detach().contiguous()
         w0 = bf16_round(weight)

@@ -2,11 +2,13 @@
 
 Each kernel is a torch operator (`torch.ops.llm_kernels.*`) with a pure-torch equivalent that
 the model uses where the kernel is unavailable: no C++ compiler, a build that failed, or
-`LLM_NATIVE_KERNELS=0` in the environment. The library is built once per machine, source and
-torch version into `build/kernels/<key>/` (about 10 s with g++ and ninja, at set-up or on first
-use; concurrent builders wait for the first) and loaded from there afterwards.
+`LLM_NATIVE_KERNELS=0` in the environment. The library is compiled for one instruction-set path
+(models.cpu_isa: the CPU's best, or the one `LLM_CPU_ISA` caps it to) and built once per machine,
+path, source and torch version into `build/kernels/<key>/` (about 10 s with g++ and ninja, at
+set-up or on first use; concurrent builders wait for the first), loaded from there afterwards.
 
-    python -m python_backends.models.kernels     # build now, print where
+    python -m python_backends.models.kernels     # build now, print the path and where
+    python -m python_backends.models.kernels --all-paths   # every path this CPU can run
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import hashlib
 import logging
 import os
 import platform
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -28,6 +31,7 @@ from typing import Any
 import torch
 
 from python_backends.config import PROJECT_ROOT
+from python_backends.models import cpu_isa
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +41,14 @@ CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(sorted(CSRC.glob("*.cpp")))
 HEADERS = tuple(sorted(CSRC.glob("*.h")))
 BUILD_ROOT = PROJECT_ROOT / "build" / "kernels"
-# -march=native: the library is specific to the CPU it was built on, hence the CPU in its key.
+# -march=native: the library is specific to the CPU it was built on, hence the CPU in its key;
+# then the path's -mno-* flags (cpu_isa) leave out what is above it.
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
+
+
+def cflags() -> tuple[str, ...]:
+    chosen = cpu_isa.path()
+    return CFLAGS + (chosen.cflags if chosen is not None else ())
 
 
 def enabled() -> bool:
@@ -62,7 +72,7 @@ def build_dir() -> Path:
     for src in SOURCES + HEADERS:
         h.update(src.name.encode())
         h.update(src.read_bytes())
-    for part in (torch.__version__, " ".join(CFLAGS), _cpu_signature()):
+    for part in (torch.__version__, " ".join(cflags()), _cpu_signature()):
         h.update(part.encode())
     return BUILD_ROOT / h.hexdigest()[:16]
 
@@ -93,9 +103,9 @@ def _build_and_load(directory: Path) -> None:
         # build; under ours no other build runs.
         (directory / "lock").unlink(missing_ok=True)
         start = time.monotonic()
-        log.warning("compiling the engine's CPU kernels into %s (once per machine, about 10 s)",
-                    directory)
-        cpp_extension.load(NAME, [str(s) for s in SOURCES], extra_cflags=list(CFLAGS),
+        log.warning("compiling the engine's CPU kernels for the %s path into %s (once per "
+                    "machine and path, about 10 s)", cpu_isa.describe(), directory)
+        cpp_extension.load(NAME, [str(s) for s in SOURCES], extra_cflags=list(cflags()),
                            build_directory=str(directory), is_python_module=False,
                            verbose=False)  # loads the library it builds
         log.warning("kernels compiled in %.0f s", time.monotonic() - start)
@@ -108,11 +118,20 @@ def load() -> bool:
     if not enabled():
         return False
     try:
+        if cpu_isa.path() is None:
+            raise RuntimeError("this CPU has no AVX2 and FMA, the least the kernels need")
         _build_and_load(build_dir())
     except Exception as e:  # no compiler, no headers, a failed build: the torch ops remain
         log.warning("engine CPU kernels unavailable, using torch ops: %s", str(e).strip()[-500:])
         return False
+    log.warning("engine CPU kernels: %s path", cpu_isa.describe())
     return True
+
+
+def screen_path() -> str:
+    """What the greedy LM head's screen computes on ("amx", "avx512_bf16"), "" where it does
+    not (then greedy rows compute every logit)."""
+    return str(torch.ops.llm_kernels.screen_path()) if load() else ""
 
 
 @dataclass(frozen=True)
@@ -191,9 +210,16 @@ def main() -> int:
     if not enabled():
         print(f"[kernels] off ({SWITCH_ENV}={os.environ[SWITCH_ENV]})")
         return 0
+    if "--all-paths" in sys.argv[1:]:  # one process per path: each loads its own library
+        failed = 0
+        for name in cpu_isa.available():
+            env = {**os.environ, cpu_isa.CAP_ENV: name}
+            build = [sys.executable, "-m", "python_backends.models.kernels"]
+            failed |= subprocess.run(build, env=env).returncode
+        return failed
     if not load():
         return 1
-    print(f"[kernels] ready in {build_dir()}")
+    print(f"[kernels] {cpu_isa.describe()} path: ready in {build_dir()}")
     return 0
 
 

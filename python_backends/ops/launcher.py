@@ -35,6 +35,7 @@ from python_backends.config import (
     ROLE_ENV,
     ROLES,
 )
+from python_backends.models import cpu_isa
 from python_backends.net import free_port
 from python_backends.ops.repository import TritonRepository
 from python_backends.ops.watchdog import StubWatchdog
@@ -106,7 +107,7 @@ def prepare_backend_dir() -> Path:
 
 
 def server_env(engine_dir: Path | None, extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = {**os.environ, **(extra or {})}
+    env = cpu_isa.torch_environment({**os.environ, **(extra or {})})
     venv_bin = str(Path(sys.executable).parent)
     env["PATH"] = venv_bin + os.pathsep + env.get("PATH", "")
     libdir = sysconfig.get_config_var("LIBDIR") or ""
@@ -417,6 +418,10 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        try:
+            cpu_isa.cap()
+        except ValueError as e:
+            raise ServerError(str(e)) from None
         opts = ServerOptions(
             model_repository=args.model_repository, host=args.host, http_port=args.http_port,
             grpc_port=args.grpc_port, metrics_port=args.metrics_port, engine_dir=args.engine,
@@ -585,7 +590,8 @@ def _banner(o: ServerOptions, gateway_port: int) -> str:
   HTTP     {o.http_url}   (/v2/models/ensemble/generate, /generate_stream)
   gRPC     {o.host}:{o.grpc_port}
   metrics  {o.metrics_url}
-{gateway}{note}  try:
+{gateway}{note}  CPU path {cpu_isa.describe()}
+  try:
     curl -s -X POST {o.http_url}/v2/models/ensemble/generate {auth}\\
       -d '{{"text_input": "The capital of France is", "max_tokens": 16}}'
 {_gateway_example(o, gateway_port)}  Ctrl-C stops the server.

@@ -10,12 +10,8 @@ import torch
 from python_backends.models import kernels
 from python_backends.models.greedy_head import GreedyHead, bf16_round
 
-
-def _amx() -> bool:
-    return kernels.load() and bool(torch.ops.llm_kernels.linear_amx())
-
-
-pytestmark = pytest.mark.skipif(not _amx(), reason="the screen computes on AMX tiles only")
+pytestmark = pytest.mark.skipif(not kernels.screen_path(),
+                                reason="the screen computes on AMX tiles or AVX-512 bf16 only")
 
 
 def _argmax(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -24,7 +20,7 @@ def _argmax(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("rows,vocab,k", [(1, 100, 64), (5, 4099, 576), (33, 2000, 100),
-                                          (70, 3000, 576)])
+                                          (70, 3000, 576), (13, 33, 7)])
 def test_screen_is_the_rounded_operands_product(rows, vocab, k):
     torch.manual_seed(rows)
     x, w = bf16_round(torch.randn(rows, k)), bf16_round(torch.randn(vocab, k))

@@ -8,10 +8,14 @@
 //
 // screen_linear and screen_candidates serve greedy rows' LM head (models/greedy_head.py): an
 // estimate of every logit from bfloat16 operands, and the tokens whose bounds reach the largest.
+// The estimate computes on AMX tiles, or on AVX-512 bfloat16 dot products (vdpbf16ps: AMD Zen 4
+// and 5, Intel Cooper Lake) where there are no tiles.
 //
 // Built and loaded by python_backends/models/kernels.py (for the machine it runs on).
 #include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <immintrin.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -20,6 +24,7 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <string>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -176,6 +181,78 @@ bool linear_amx() {
 #endif
 }
 
+at::Tensor pack_linear_weight(const at::Tensor& weight);
+
+#ifdef __AVX512BF16__
+// The screen on vdpbf16ps: each instruction adds two products of bfloat16 pairs to 16 float32
+// sums, twice the multiply-adds of a float32 FMA, from weights of half the bytes. The weight is
+// packed in panels of NR outputs, k in pairs: [P][Kp / 2][NR][2] bfloat16 (Kp = K rounded up to
+// even, zero-padded), so one pair of k for 16 outputs is one 64-byte vector; a row's pair is
+// broadcast as one 32-bit lane. Products of bfloat16 are exact in float32 and each instruction
+// rounds like an FMA: the sum's error is within greedy_head's bound, as on the tiles.
+constexpr bool kDotBf16 = NR == 32;
+
+// dst[r, 0:cols] = x[r] . panel for R rows; x [R][Kh] of bfloat16 pairs, Kh = Kp / 2.
+template <int64_t R>
+inline void dot_tile(const uint32_t* x, int64_t Kh, const uint16_t* panel, float* dst, int64_t ld,
+                     int64_t cols) {
+  __m512 acc[R][2];
+  for (int64_t r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < Kh; ++i) {
+    const uint16_t* w = panel + i * 2 * NR;
+    __builtin_prefetch(w + kAhead * 2 * NR);
+    __builtin_prefetch(w + kAhead * 2 * NR + 32);
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + 32);
+    for (int64_t r = 0; r < R; ++r) {
+      const __m512bh xr = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * Kh + i]));
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xr, w0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xr, w1);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    float row[NR];
+    _mm512_storeu_ps(row, acc[r][0]);
+    _mm512_storeu_ps(row + 16, acc[r][1]);
+    std::memcpy(dst + r * ld, row, cols * sizeof(float));
+  }
+}
+
+template <int64_t... Rs>
+inline void dot_tile_rows(int64_t rows, const uint32_t* x, int64_t Kh, const uint16_t* panel,
+                          float* dst, int64_t ld, int64_t cols, std::integer_sequence<int64_t, Rs...>) {
+  ((rows == Rs + 1 ? dot_tile<Rs + 1>(x, Kh, panel, dst, ld, cols) : void()), ...);
+}
+
+// The top 16 bits of each float32 (x is already rounded to bfloat16: its bfloat16 exactly).
+inline uint16_t bf16_bits(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof(u));
+  return static_cast<uint16_t>(u >> 16);
+}
+
+at::Tensor pack_dot_screen(const at::Tensor& weight) {
+  const at::Tensor packed = pack_linear_weight(weight);  // [P, K, NR] float32
+  const int64_t P = packed.size(0), K = packed.size(1), Kh = (K + 1) / 2;
+  at::Tensor out = at::zeros({P, Kh * NR * 2}, at::TensorOptions().dtype(at::kShort));
+  const float* wp = packed.const_data_ptr<float>();
+  auto* op = reinterpret_cast<uint16_t*>(out.mutable_data_ptr<int16_t>());
+  for (int64_t p = 0; p < P; ++p)
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t j = 0; j < NR; ++j)
+        op[((p * Kh + k / 2) * NR + j) * 2 + k % 2] = bf16_bits(wp[(p * K + k) * NR + j]);
+  return out;
+}
+#else
+constexpr bool kDotBf16 = false;
+#endif
+
+// What the greedy head's screen computes on here: "amx", "avx512_bf16" or "" (it does not).
+std::string screen_path() {
+  if (linear_amx()) return "amx";
+  return kDotBf16 ? "avx512_bf16" : "";
+}
+
 at::Tensor pack_linear_weight(const at::Tensor& weight) {
   TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kFloat && weight.dim() == 2,
               "pack_linear_weight: a float32 CPU matrix [out_features, in_features]");
@@ -291,7 +368,11 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n) {
 // rounded to bfloat16, which are their own first pieces, so these are exactly its x0 and w0;
 // exact products summed in float32, and it bounds |x W^T - x0 . w0| from the norms. AMX only.
 at::Tensor pack_screen_weight(const at::Tensor& weight) {
-  TORCH_CHECK(linear_amx(), "pack_screen_weight: this CPU (or build) has no AMX tiles");
+  TORCH_CHECK(!screen_path().empty(),
+              "pack_screen_weight: this CPU (or build) has neither AMX tiles nor AVX-512 bf16");
+#ifdef __AVX512BF16__
+  if (!linear_amx()) return pack_dot_screen(weight);
+#endif
 #ifdef LLM_AMX
   const at::Tensor packed = pack_linear_weight(weight);  // [P, K, NR]
   const int64_t P = packed.size(0), K = packed.size(1), Kp = (K + 31) / 32 * 32;
@@ -313,15 +394,42 @@ at::Tensor pack_screen_weight(const at::Tensor& weight) {
 
 at::Tensor screen_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n) {
   check_x("screen_linear", x_in, packed);
-  TORCH_CHECK(linear_amx(), "screen_linear: this CPU (or build) has no AMX tiles");
+  const std::string path = screen_path();
+  TORCH_CHECK(!path.empty(),
+              "screen_linear: this CPU (or build) has neither AMX tiles nor AVX-512 bf16");
   const int64_t T = x_in.size(0), K = x_in.size(1), Kp = (K + 31) / 32 * 32, P = packed.size(0);
+  const int64_t per_panel = path == "amx" ? 2 * Kp * 16 : (K + 1) / 2 * NR * 2;
   TORCH_CHECK(packed.scalar_type() == at::kShort && packed.dim() == 2 && packed.is_contiguous() &&
-                  packed.size(1) == 2 * Kp * 16,
+                  packed.size(1) == per_panel,
               "screen_linear: a weight from pack_screen_weight for ", K, " input features");
   TORCH_CHECK(n > (P - 1) * NR && n <= P * NR, "screen_linear: ", n, " outputs for ", P, " panels");
   at::Tensor x = x_in.contiguous();
   at::Tensor out = at::empty({T, n}, x.options());
   if (T == 0) return out;
+#ifdef __AVX512BF16__
+  if (path == "avx512_bf16") {
+    const int64_t Kh = (K + 1) / 2;
+    at::Tensor pairs = at::zeros({T, Kh}, at::TensorOptions().dtype(at::kInt));
+    auto* xp = reinterpret_cast<uint16_t*>(pairs.mutable_data_ptr<int32_t>());
+    const float* xs = x.const_data_ptr<float>();
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t k = 0; k < K; ++k) xp[t * 2 * Kh + k] = bf16_bits(xs[t * K + k]);
+    const auto* xr = reinterpret_cast<const uint32_t*>(xp);
+    const auto* wp = reinterpret_cast<const uint16_t*>(packed.const_data_ptr<int16_t>());
+    PanelsFn compute = [=](int64_t, int64_t p0, int64_t p1, float* dst, int64_t ld) {
+      for (int64_t t = 0; t < T; t += MR) {
+        const int64_t rows = std::min(MR, T - t);
+        for (int64_t p = p0; p < p1; ++p)
+          dot_tile_rows(rows, xr + t * Kh, Kh, wp + p * per_panel, dst + t * ld + (p - p0) * NR,
+                        ld, std::min(NR, n - p * NR), std::make_integer_sequence<int64_t, MR>{});
+      }
+    };
+    run_panels(out, {x, packed, pairs}, P, 1, T,
+               panels_per_chunk(T, K, sizeof(uint16_t), 200e9),  // twice float32's FMA rate
+               std::move(compute));
+    return out;
+  }
+#endif
 #ifdef LLM_AMX
   const RowBlocks rb = split_row_blocks(x.const_data_ptr<float>(), T, K);
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.const_data_ptr<int16_t>());
@@ -402,6 +510,7 @@ std::tuple<at::Tensor, at::Tensor> screen_candidates(const at::Tensor& estimate_
 
 TORCH_LIBRARY_FRAGMENT(llm_kernels, m) {
   m.def("linear_amx() -> bool", &linear_amx);
+  m.def("screen_path() -> str", &screen_path);
   m.def("pack_linear_weight(Tensor weight) -> Tensor", &pack_linear_weight);
   m.def("linear(Tensor x, Tensor packed, int out_features) -> Tensor", &linear);
   m.def("pack_screen_weight(Tensor weight) -> Tensor", &pack_screen_weight);
