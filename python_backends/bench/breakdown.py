@@ -52,8 +52,10 @@ class Snapshot:
     metrics: Metrics
 
 
-def snapshot(pid: int, metrics_url: str) -> Snapshot:
-    names = process_names(pid)
+def snapshot(pid: int, metrics_url: str, others: dict[int, str] | None = None) -> Snapshot:
+    """`pid`'s tritonserver and stubs, and `others` (more processes of the serving path, a
+    gateway: by pid, their names)."""
+    names = {**process_names(pid), **(others or {})}
     return Snapshot({p: procfs.cpu_seconds(p) for p in names}, names, scrape(metrics_url))
 
 
