@@ -3,6 +3,9 @@
 Conditional disaggregation (as in Dynamo): a prompt long enough to be worth a remote prefill
 goes to the prefill group while that group has room; everything else stays aggregated, where a
 short prompt costs less than a handoff. The `route` request parameter forces either path.
+Where the groups share one machine's CPU cores (every group local, on CPU instances) a prefill
+instance only takes cores from the worker, and `auto` keeps everything aggregated (the front
+decides: serving/front.py; docs/disaggregation.md has the figures).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ class DisaggregationPolicy:
     aggregation: bool = True  # a worker group is configured
     min_prompt_tokens: int = 256  # auto: shorter prompts stay aggregated
     max_inflight_prefills: int = 8  # auto: at this many prefills in flight, the group is full
+    auto: bool = True  # auto may disaggregate (False: only a forced route does)
 
     def __post_init__(self) -> None:
         if not (self.disaggregation or self.aggregation):
@@ -60,7 +64,7 @@ class Router:
                     raise InvalidRequest("route", "no prefill/decode models are configured")
             elif not p.aggregation:
                 pass  # auto with only the disaggregated path
-            elif (not p.disaggregation or prompt_tokens < p.min_prompt_tokens
+            elif (not p.disaggregation or not p.auto or prompt_tokens < p.min_prompt_tokens
                   or self._inflight >= p.max_inflight_prefills):
                 return Route.AGGREGATED
             self._inflight += 1

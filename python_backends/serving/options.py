@@ -149,6 +149,9 @@ class FrontOptions:
     decode_servers: str = ""
     disaggregation_min_prompt_tokens: int = 256
     disaggregation_max_inflight_prefills: int = 8
+    # auto disaggregates onto local CPU groups too (they share this machine's cores with the
+    # worker: off by default, see serving.front.shares_cpu_cores)
+    disaggregation_on_shared_cpu: bool = False
     max_concurrent_requests: int = 1024
     max_waiting_requests: int = 256
     max_waiting_tokens: int = 65536

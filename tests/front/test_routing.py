@@ -33,3 +33,12 @@ def test_forced_routes_and_missing_groups() -> None:
         Route.AGGREGATED)
     with pytest.raises(ValueError):
         DisaggregationPolicy(disaggregation=False, aggregation=False)
+
+
+def test_without_auto_only_a_forced_route_disaggregates() -> None:
+    router = Router(DisaggregationPolicy(disaggregation=True, min_prompt_tokens=1, auto=False))
+    assert router.choose("auto", 10_000) is Route.AGGREGATED
+    assert router.inflight_prefills == 0
+    assert router.choose("disaggregated", 5) is Route.DISAGGREGATED
+    only = Router(DisaggregationPolicy(disaggregation=True, aggregation=False, auto=False))
+    assert only.choose("auto", 5) is Route.DISAGGREGATED  # the one path there is

@@ -7,6 +7,7 @@ engine groups a front sends work to, by its server's role. pb_utils is faked at 
 from __future__ import annotations
 
 import types
+from pathlib import Path
 
 import pytest
 
@@ -105,3 +106,21 @@ def test_a_front_serves_the_groups_its_role_runs_or_other_servers_serve(
         served("front", MODELS, set())
     with pytest.raises(ValueError, match="LLM_WORKER_SERVERS"):
         served("aggregated", ("", "prefill", "decode"), set())
+
+
+def test_groups_share_cpu_cores_when_all_run_here_on_cpu_instances(
+    front: types.ModuleType, tmp_path: Path,
+) -> None:
+    for model in MODELS:
+        (tmp_path / model).mkdir()
+        (tmp_path / model / "config.pbtxt").write_text(
+            "# KIND_GPU (with `gpus`) runs the engine on GPUs\n"
+            "instance_group [ { count: 1 kind: KIND_CPU } ]\n")
+    shares = front.shares_cpu_cores
+    here = tmp_path / "front"
+    assert shares(here, MODELS, set())
+    assert not shares(here, MODELS, {"prefill"})  # served elsewhere: cores of its own
+    assert not shares(here, ("worker", "", ""), set())
+    (tmp_path / "decode" / "config.pbtxt").write_text("instance_group [ { kind: KIND_GPU } ]")
+    assert not shares(here, MODELS, set())
+    assert not shares(tmp_path / "elsewhere" / "front", MODELS, set())  # unreadable: unknown
