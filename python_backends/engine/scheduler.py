@@ -123,10 +123,11 @@ class Scheduler:
         running: list[Sequence] = []
         # Most important first, so the victims of a block shortage are the least important.
         queue = deque(sorted(self.running, key=importance, reverse=True))
+        adapts = self.speculation.adapts(len(queue))
         while queue and budget > 0:
             seq = queue.popleft()
             n = min(seq.num_uncomputed_tokens, budget)
-            draft = self._draft(seq, budget - n) if n == 1 else ()
+            draft = self._draft(seq, budget - n, adapts) if n == 1 else ()
             need = self._blocks_needed(seq, n + len(draft))
             if draft and not self.blocks.can_allocate(need):  # drafts never cost a preemption
                 draft, need = (), self._blocks_needed(seq, n)
@@ -174,21 +175,22 @@ class Scheduler:
         self.num_preemptions += len(preempted)
         return SchedulerOutput(tuple(scheduled), tuple(preempted))
 
-    def _draft(self, seq: Sequence, budget: int) -> tuple[int, ...]:
+    def _draft(self, seq: Sequence, budget: int, adapts: bool) -> tuple[int, ...]:
         """A decoding sequence's draft for this step (engine.speculative): at most `budget`
-        tokens, and none past the sequence's max_tokens or the engine's max_seq_len."""
+        tokens, and none past the sequence's max_tokens or the engine's max_seq_len; as long as
+        a match allows unless the step `adapts` (SpeculationConfig.free_rows)."""
         spec, p = self.speculation, seq.params
         if (not spec.enabled or not p.greedy or p.needs_logits_processing
                 or seq.prefill_only):
             return ()
-        if seq.draft_pause:
+        if seq.draft_pause and adapts:
             seq.draft_pause -= 1
             return ()
         if seq.ngrams is None:
             seq.ngrams = NgramIndex(spec.ngram_lengths)
         room = min(p.max_tokens - seq.num_output_tokens,
                    self.limits.max_seq_len - seq.num_tokens) - 1
-        longest = (spec.num_tokens if seq.draft_limit is None or not spec.adaptive
+        longest = (spec.num_tokens if seq.draft_limit is None or not adapts
                    else seq.draft_limit)
         limit = min(longest, budget, room)
         return grammar_draft(seq, tuple(seq.ngrams.draft(seq.token_ids(), limit)))

@@ -229,7 +229,8 @@ def test_drafts_that_keep_failing_pause_and_come_back_when_they_pay(
     the output is HF's."""
     p = prompts(1, seed=5)[0]
     want = tiny_llama.greedy(p, 40)
-    engine = tiny_llama.engine(speculation=SpeculationConfig(4, adaptive=adaptive))
+    # free_rows 0: a lone sequence's steps adapt as a large batch's do
+    engine = tiny_llama.engine(speculation=SpeculationConfig(4, adaptive=adaptive, free_rows=0))
     seq = engine.add_request("s", p, SamplingParams(max_tokens=40))
     oracle = Wrong(p, want)
     seq.ngrams = oracle  # type: ignore[assignment]
@@ -240,7 +241,7 @@ def test_drafts_that_keep_failing_pause_and_come_back_when_they_pay(
     assert oracle.calls == (5 if adaptive else 39)
     assert _drafts(engine)[1] == 0
     # drafts that start paying reset the pauses: most later tokens come from drafts
-    engine = tiny_llama.engine(speculation=SpeculationConfig(4))
+    engine = tiny_llama.engine(speculation=SpeculationConfig(4, free_rows=0))
     seq = engine.add_request("t", p, SamplingParams(max_tokens=40))
     seq.ngrams = Wrong(p, want, good_after=2)  # type: ignore[assignment]
     steps = 0
@@ -248,3 +249,20 @@ def test_drafts_that_keep_failing_pause_and_come_back_when_they_pay(
         engine.step()
         steps += 1
     assert seq.output_ids == want and steps < 20
+
+
+def test_steps_of_few_rows_draft_at_every_step_however_drafts_fare(tiny_llama: TinyModel) -> None:
+    """Below free_rows a step is bound by reading the weights: a lone sequence drafts at every
+    step, full length, though nothing is ever kept; output HF's. Past it, pauses again."""
+    p = prompts(1, seed=5)[0]
+    want = tiny_llama.greedy(p, 40)
+    assert SpeculationConfig(4).adapts(3) is False and SpeculationConfig(4).adapts(4) is True
+    engine = tiny_llama.engine(speculation=SpeculationConfig(4))
+    seq = engine.add_request("s", p, SamplingParams(max_tokens=40))
+    oracle = Wrong(p, want)
+    seq.ngrams = oracle  # type: ignore[assignment]
+    while engine.has_unfinished:
+        engine.step()
+    assert seq.output_ids == want
+    full_length = sum(min(4, 39 - done) for done in range(1, 40))  # all the room left allows
+    assert oracle.calls == 39 and _drafts(engine) == (full_length, 0)
