@@ -221,6 +221,20 @@ class Wrong:
         return right if self.calls > self.good_after else [(t + 1) % 250 for t in right]
 
 
+def _never_kept(tiny_llama: TinyModel, spec: SpeculationConfig, p: list[int],
+                want: list[int]) -> tuple[LLMEngine, Wrong]:
+    """`p` run to its end (40 tokens) on an engine drafting by `spec` from an oracle whose
+    drafts are all wrong; the output is HF's (`want`) whatever was drafted."""
+    engine = tiny_llama.engine(speculation=spec)
+    seq = engine.add_request("s", p, SamplingParams(max_tokens=40))
+    oracle = Wrong(p, want)
+    seq.ngrams = oracle  # type: ignore[assignment]
+    while engine.has_unfinished:
+        engine.step()
+    assert seq.output_ids == want
+    return engine, oracle
+
+
 @pytest.mark.parametrize("adaptive", [True, False])
 def test_drafts_that_keep_failing_pause_and_come_back_when_they_pay(
         tiny_llama: TinyModel, adaptive: bool) -> None:
@@ -230,13 +244,8 @@ def test_drafts_that_keep_failing_pause_and_come_back_when_they_pay(
     p = prompts(1, seed=5)[0]
     want = tiny_llama.greedy(p, 40)
     # free_rows 0: a lone sequence's steps adapt as a large batch's do
-    engine = tiny_llama.engine(speculation=SpeculationConfig(4, adaptive=adaptive, free_rows=0))
-    seq = engine.add_request("s", p, SamplingParams(max_tokens=40))
-    oracle = Wrong(p, want)
-    seq.ngrams = oracle  # type: ignore[assignment]
-    while engine.has_unfinished:
-        engine.step()
-    assert seq.output_ids == want
+    engine, oracle = _never_kept(
+        tiny_llama, SpeculationConfig(4, adaptive=adaptive, free_rows=0), p, want)
     # adaptive: drafts at decode steps 1, 3, 7, 15, 31 (each pause doubling), fixed: all 39
     assert oracle.calls == (5 if adaptive else 39)
     assert _drafts(engine)[1] == 0
@@ -257,12 +266,6 @@ def test_steps_of_few_rows_draft_at_every_step_however_drafts_fare(tiny_llama: T
     p = prompts(1, seed=5)[0]
     want = tiny_llama.greedy(p, 40)
     assert SpeculationConfig(4).adapts(3) is False and SpeculationConfig(4).adapts(4) is True
-    engine = tiny_llama.engine(speculation=SpeculationConfig(4))
-    seq = engine.add_request("s", p, SamplingParams(max_tokens=40))
-    oracle = Wrong(p, want)
-    seq.ngrams = oracle  # type: ignore[assignment]
-    while engine.has_unfinished:
-        engine.step()
-    assert seq.output_ids == want
+    engine, oracle = _never_kept(tiny_llama, SpeculationConfig(4), p, want)
     full_length = sum(min(4, 39 - done) for done in range(1, 40))  # all the room left allows
     assert oracle.calls == 39 and _drafts(engine) == (full_length, 0)
