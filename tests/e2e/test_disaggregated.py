@@ -160,3 +160,29 @@ def test_a_handoff_decode_refuses_gives_the_lease_back_at_once(server: Server) -
             time.sleep(0.1)
         assert _metric(server, "llm_kv_cache_blocks_used", model="prefill") == 0
         assert _metric(server, "llm_kv_lease_expired_total", model="prefill") == expired
+
+
+def test_auto_keeps_long_prompts_aggregated_where_the_groups_share_the_cpu(
+    server: Server, reference: Reference
+) -> None:
+    """The session's server runs worker, prefill and decode on this machine's CPU: `auto`
+    sends a prompt past disaggregation_min_prompt_tokens (256) to the worker, which computes
+    all of it; `route` still forces the disaggregated path."""
+    prompt = " ".join(PROMPTS) * 4
+    n_prompt = len(reference.tokenizer(prompt)["input_ids"])
+    assert n_prompt >= 256
+    salt = {"cache_salt": uuid.uuid4().hex}  # a cold prefix cache
+    before = server.metrics()
+    server.client.generate(prompt, max_tokens=2, **salt)
+    after = server.metrics()
+
+    def delta(name: str, **labels: str) -> float:
+        return metric_sum(after, name, **labels) - metric_sum(before, name, **labels)
+
+    assert delta("llm_prompt_tokens_computed_total", model="worker") == n_prompt
+    assert delta("llm_prompt_tokens_computed_total", model="prefill") == 0
+    before = after
+    server.client.generate(prompt, max_tokens=2, route="disaggregated",
+                           cache_salt=uuid.uuid4().hex)
+    after = server.metrics()
+    assert delta("llm_prompt_tokens_computed_total", model="prefill") == n_prompt
