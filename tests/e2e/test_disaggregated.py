@@ -7,6 +7,7 @@ import math
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 import pytest
@@ -125,14 +126,35 @@ def test_16_in_flight_across_paths(server: Server, reference: Reference) -> None
     assert server.wait_idle() == 0
 
 
-def test_auto_route_disaggregates_long_prompts(server: Server) -> None:
-    before = _metric(server, "llm_requests_routed_total", route="disaggregated")
-    short = server.client.generate(PROMPTS[0], max_tokens=4)
-    assert _metric(server, "llm_requests_routed_total", route="disaggregated") == before
-    long_prompt = "Tell me about the history of France. " * 40  # > 256 tokens
-    out = server.client.generate(long_prompt, max_tokens=4)
-    assert out["num_input_tokens"] >= 256 and short["num_output_tokens"] == 4
-    assert _metric(server, "llm_requests_routed_total", route="disaggregated") == before + 1
+def test_auto_route_disaggregates_long_prompts_unless_the_groups_share_the_cpu(
+    server: Server, reference: Reference
+) -> None:
+    """The session's server runs worker, prefill and decode on this machine's CPU: `auto`
+    keeps a prompt past disaggregation_min_prompt_tokens (256) on the worker, which computes
+    all of it, and `route` still forces the disaggregated path; with the front's
+    disaggregation_on_shared_cpu, `auto` disaggregates it, and a short prompt never."""
+    long_prompt = "Tell me about the history of France. " * 40
+    n_prompt = len(reference.tokenizer(long_prompt)["input_ids"])
+    assert n_prompt >= 256
+    routed = partial(_metric, server, "llm_requests_routed_total", route="disaggregated")
+    before, disaggregated = server.metrics(), routed()
+    out = server.client.generate(long_prompt, max_tokens=4, cache_salt=uuid.uuid4().hex)
+    after = server.metrics()
+
+    def delta(name: str, **labels: str) -> float:
+        return metric_sum(after, name, **labels) - metric_sum(before, name, **labels)
+
+    assert out["num_input_tokens"] == n_prompt and routed() == disaggregated
+    assert delta("llm_prompt_tokens_computed_total", model="worker") == n_prompt
+    assert delta("llm_prompt_tokens_computed_total", model="prefill") == 0
+    server.client.generate(long_prompt, max_tokens=4, route="disaggregated")
+    assert routed() == disaggregated + 1
+    with server.options.repository().reloaded("front", disaggregation_on_shared_cpu="true"):
+        disaggregated = routed()  # (a reloaded front's counters may start again)
+        short = server.client.generate(PROMPTS[0], max_tokens=4)
+        assert routed() == disaggregated and short["num_output_tokens"] == 4
+        server.client.generate(long_prompt, max_tokens=4)
+        assert routed() == disaggregated + 1
 
 
 def test_routing_parameters_are_validated(server: Server) -> None:
@@ -160,29 +182,3 @@ def test_a_handoff_decode_refuses_gives_the_lease_back_at_once(server: Server) -
             time.sleep(0.1)
         assert _metric(server, "llm_kv_cache_blocks_used", model="prefill") == 0
         assert _metric(server, "llm_kv_lease_expired_total", model="prefill") == expired
-
-
-def test_auto_keeps_long_prompts_aggregated_where_the_groups_share_the_cpu(
-    server: Server, reference: Reference
-) -> None:
-    """The session's server runs worker, prefill and decode on this machine's CPU: `auto`
-    sends a prompt past disaggregation_min_prompt_tokens (256) to the worker, which computes
-    all of it; `route` still forces the disaggregated path."""
-    prompt = " ".join(PROMPTS) * 4
-    n_prompt = len(reference.tokenizer(prompt)["input_ids"])
-    assert n_prompt >= 256
-    salt = {"cache_salt": uuid.uuid4().hex}  # a cold prefix cache
-    before = server.metrics()
-    server.client.generate(prompt, max_tokens=2, **salt)
-    after = server.metrics()
-
-    def delta(name: str, **labels: str) -> float:
-        return metric_sum(after, name, **labels) - metric_sum(before, name, **labels)
-
-    assert delta("llm_prompt_tokens_computed_total", model="worker") == n_prompt
-    assert delta("llm_prompt_tokens_computed_total", model="prefill") == 0
-    before = after
-    server.client.generate(prompt, max_tokens=2, route="disaggregated",
-                           cache_salt=uuid.uuid4().hex)
-    after = server.metrics()
-    assert delta("llm_prompt_tokens_computed_total", model="prefill") == n_prompt
