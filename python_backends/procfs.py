@@ -99,18 +99,28 @@ class Process:
 ISA_FLAGS = ("amx_tile", "avx512_bf16", "avx512f", "avx2")
 
 
-def cpu_description() -> str:
-    """The CPU's model name and which of ISA_FLAGS it has, for benchmark records."""
+def _cpuinfo(field: str) -> str | None:
+    """The first value of `field` in /proc/cpuinfo; None where it cannot be read."""
     try:
         lines = (PROC / "cpuinfo").read_text().splitlines()
     except OSError:
+        return None
+    return next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith(field)), "")
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's instruction-set flags as /proc/cpuinfo names them (none if unreadable)."""
+    return frozenset((_cpuinfo("flags") or "").split())
+
+
+def cpu_description() -> str:
+    """The CPU's model name and which of ISA_FLAGS it has, for benchmark records."""
+    model = _cpuinfo("model name")
+    if model is None:
         return "unknown CPU"
-    model = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")),
-                 "unknown CPU")
-    flags = set(next((ln.split(":", 1)[1].split() for ln in lines if ln.startswith("flags")),
-                     []))
-    have = [f for f in ISA_FLAGS if f in flags]
-    return f"{model} ({', '.join(have) if have else 'none of ' + '/'.join(ISA_FLAGS)})"
+    flags = cpu_flags()
+    have = ", ".join(f for f in ISA_FLAGS if f in flags) or "none of " + "/".join(ISA_FLAGS)
+    return f"{model or 'unknown CPU'} ({have})"
 
 
 def process(pid: int | str) -> Process | None:

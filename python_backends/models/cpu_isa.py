@@ -21,7 +21,8 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
-from pathlib import Path
+
+from python_backends import procfs
 
 CAP_ENV = "LLM_CPU_ISA"
 
@@ -50,18 +51,9 @@ PATHS = (
 NAMES = tuple(p.name for p in PATHS)
 
 
-def cpu_flags() -> frozenset[str]:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return frozenset()
-    return frozenset(next((ln.split(":", 1)[1].split() for ln in lines
-                           if ln.startswith("flags")), []))
-
-
 def available(flags: frozenset[str] | None = None) -> tuple[str, ...]:
     """The paths this CPU can run, most first (none on a CPU without AVX2)."""
-    flags = cpu_flags() if flags is None else flags
+    flags = procfs.cpu_flags() if flags is None else flags
     return tuple(p.name for p in PATHS if set(p.needs) <= flags)
 
 
