@@ -90,6 +90,20 @@ class EngineStats:
     draft_tokens_accepted: int = 0  # of those, confirmed by the model and kept
 
 
+# The most rows a decode step captured as a CUDA graph has: beyond it a step computes long
+# enough that launching its kernels one by one costs little.
+MAX_GRAPH_ROWS = 512
+
+
+def graph_rows(config: EngineConfig, speculation: SpeculationConfig | None) -> int:
+    """The largest decode step of an engine: every running sequence with its longest draft,
+    within one step's token budget."""
+    drafts = speculation.num_tokens if speculation is not None else 0
+    limits = config.limits
+    return min(limits.max_num_seqs * (1 + drafts), limits.max_num_batched_tokens,
+               MAX_GRAPH_ROWS)
+
+
 class LLMEngine:
     """One engine instance: add sequences, step, abort, report stats. The KV handoff between
     instances is a component of its own (`handoff`)."""
@@ -100,6 +114,7 @@ class LLMEngine:
         kv_pool: torch.Tensor | None = None, group: RankGroup | None = None,
         enable_prefix_caching: bool = True, kv_tier: TierFactory | None = None,
         speculation: SpeculationConfig | None = None, guides: GuideMatchers | None = None,
+        cuda_graphs: bool = True,
     ) -> None:
         """`model`: rank 0's. `kv_pool`: the pool KV transports see (see KVHandoff), a tensor of
         the whole-model layout. `group`: ranks 1..N-1 of a multi-rank engine, closed by
@@ -107,7 +122,8 @@ class LLMEngine:
         its layout (single-rank engines only: a multi-rank pool is split across processes).
         `speculation`: drafts for greedy decoding (engine.speculative; default off).
         `guides`: matchers for structured outputs (default: none; a guided request is then
-        refused as the engine has no tokenizer)."""
+        refused as the engine has no tokenizer). `cuda_graphs`: decode steps replay CUDA graphs
+        where the engine is on a GPU and its model can be captured (engine.cuda_graphs)."""
         self.config = config
         self.guides = guides or GuideMatchers(None, config.model.vocab_size,
                                               config.tokenizer.eos_token_ids)
@@ -117,7 +133,8 @@ class LLMEngine:
         if kv_pool is not None and kv_pool.shape != whole.shape:
             raise ValueError(f"KV pool shape {tuple(kv_pool.shape)} != {whole.shape}")
         self.runner = rank_runner(config, model, num_kv_blocks,
-                                  kv_pool if group is None else None, group)
+                                  kv_pool if group is None else None, group,
+                                  graph_rows(config, speculation) if cuda_graphs else 0)
         self.tier = (kv_tier(self.runner.kv_pool, whole)
                      if kv_tier is not None and group is None else None)
         self.blocks = BlockManager(num_kv_blocks, config.limits.block_size,
@@ -136,7 +153,7 @@ class LLMEngine:
         kv_pool: Callable[[KVLayout, torch.device], torch.Tensor] | None = None,
         placement: Placement | None = None, enable_prefix_caching: bool = True,
         kv_tier: TierFactory | None = None, cpu_threads: int = 0,
-        speculation: SpeculationConfig | None = None,
+        speculation: SpeculationConfig | None = None, cuda_graphs: bool = True,
     ) -> LLMEngine:
         """`kv_pool`: makes the pool for the engine's layout on rank 0's device (default: plain
         memory there). `placement`: where the instance's ranks compute (default: the CPU).
@@ -159,7 +176,7 @@ class LLMEngine:
             guides = GuideMatchers(Path(engine_dir), config.model.vocab_size,
                                    config.tokenizer.eos_token_ids)
             return cls(config, model, num_kv_blocks, enable_chunked_prefill, waiting, pool, group,
-                       enable_prefix_caching, kv_tier, speculation, guides)
+                       enable_prefix_caching, kv_tier, speculation, guides, cuda_graphs)
         except BaseException:
             if group is not None:
                 group.close()

@@ -4,6 +4,7 @@ model."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Sequence as Seq
 from typing import Protocol
@@ -11,12 +12,13 @@ from typing import Protocol
 import torch
 
 from python_backends.config import EngineConfig
+from python_backends.engine.cuda_graphs import DecodeGraphs
 from python_backends.engine.loader import kv_layout
 from python_backends.engine.sampler import HeadOutput, argmax_only
 from python_backends.engine.scheduler import ScheduledSequence, SchedulerOutput
 from python_backends.engine.sequence import Sequence
 from python_backends.kv_transfer.layout import allocate_pool
-from python_backends.models import kernels
+from python_backends.models import gpu_attention, kernels
 from python_backends.models.attention import (
     AttentionMetadata,
     DecodeBatch,
@@ -25,8 +27,9 @@ from python_backends.models.attention import (
     window_mask,
     window_start,
 )
-from python_backends.models.decoder import CausalLM
+from python_backends.models.decoder import Attention, CausalLM
 
+log = logging.getLogger(__name__)
 MicroBatch = tuple[torch.Tensor, AttentionMetadata]  # token ids [T], their metadata
 
 
@@ -53,10 +56,14 @@ class RankGroup(Protocol):
 
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_pool: torch.Tensor, block_size: int,
-                 group: RankGroup | None = None) -> None:
+                 group: RankGroup | None = None, graph_rows: int = 0,
+                 max_seq_len: int = 0) -> None:
         """`kv_pool`: [layers, 2, slots, kv_heads, head_dim] (see kv_transfer.layout), allocated
         once: the one region a KV transport maps or registers; this rank's slice under TP/PP.
-        `group`: the other ranks, when the engine has more than one.
+        `group`: the other ranks, when the engine has more than one. `graph_rows`: decode steps
+        of up to that many rows replay CUDA graphs (engine.cuda_graphs), where the model runs
+        on a GPU and can be captured; 0: never. `max_seq_len`: the longest sequence (the
+        graphs' block tables), default the model's positions.
 
         Steps are packed on the CPU and moved to the model's device once (see
         AttentionMetadata.to); every rank moves its own copy."""
@@ -77,6 +84,18 @@ class ModelRunner:
             attn.kv_cache = cache
         if kv_pool.device.type == "cpu":
             kernels.load()  # compiled (once per machine) or loaded now, not in a request's step
+        # Decode rows carry block tables for the GPU kernel that reads the cache in place.
+        self.block_tables = (gpu_attention.supports(kv_pool) and not self.window
+                             and not self.layer_window
+                             and all(isinstance(a, Attention) for a in model.attention_layers()))
+        self.graphs: DecodeGraphs | None = None
+        if graph_rows and group is None and self.block_tables and kv_pool.is_cuda:
+            if (why_not := DecodeGraphs.refusal(model)) is not None:
+                log.info("decode steps run eagerly: %s", why_not)
+            else:
+                max_blocks = -(-(max_seq_len or model.config.max_position_embeddings)
+                               // block_size)
+                self.graphs = DecodeGraphs(model, graph_rows, max_blocks, block_size)
 
     def _slots(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
         """Cache slots of token positions [start, end) of `seq`."""
@@ -155,6 +174,15 @@ class ModelRunner:
         its `window` where it is not 0."""
         if not decodes:
             return None
+        if self.block_tables:  # window 0 here: every context starts at its first block
+            longest = max(-(-n_ctx // self.block_size) for _, n_ctx in decodes)
+            tables = torch.zeros(len(decodes), longest, dtype=torch.int32)
+            for i, (seq, n_ctx) in enumerate(decodes):
+                used = -(-n_ctx // self.block_size)
+                tables[i, :used] = torch.tensor(seq.block_table[:used], dtype=torch.int32)
+            return DecodeBatch(torch.tensor(rows), torch.empty(len(rows), 0, dtype=torch.long),
+                               torch.tensor([n for _, n in decodes], dtype=torch.int32),
+                               tables, self.block_size)
         firsts = [window_start(n_ctx - 1, window) if window else 0 for _, n_ctx in decodes]
         lens = [n_ctx - first for (_, n_ctx), first in zip(decodes, firsts, strict=True)]
         slots = torch.zeros(len(decodes), max(lens), dtype=torch.long)
@@ -167,6 +195,8 @@ class ModelRunner:
         """Compute the step; returns the head's output for the sampling sequences, in order."""
         if self.group is None:
             input_ids, meta, sampling = self.prepare(out.scheduled)
+            if self.graphs is not None and (logits := self.graphs.run(input_ids, meta)) is not None:
+                return HeadOutput.of(logits), sampling
             device = self.model.ctx.device
             return HeadOutput.of(self.model(input_ids.to(device), meta.to(device))), sampling
         batches, sampling = [], []
@@ -204,11 +234,13 @@ class ModelRunner:
 
 def rank_runner(config: EngineConfig, model: CausalLM, num_kv_blocks: int,
                 kv_pool: torch.Tensor | None = None, group: RankGroup | None = None,
-                ) -> ModelRunner:
+                graph_rows: int = 0) -> ModelRunner:
     """The runner of rank `model.ctx.rank` over its KV slice (`kv_pool`, else allocated on the
     model's device). Every rank of an engine is built by this: rank 0 in LLMEngine, ranks
-    1..N-1 in engine.ranks.rank_main. `group`: rank 0's handle on the others."""
+    1..N-1 in engine.ranks.rank_main. `group`: rank 0's handle on the others. `graph_rows`:
+    as ModelRunner takes it."""
     if kv_pool is None:
         layout = kv_layout(config, num_kv_blocks, model.ctx.rank)
         kv_pool = allocate_pool(layout, device=model.ctx.device)
-    return ModelRunner(model, kv_pool, config.limits.block_size, group)
+    return ModelRunner(model, kv_pool, config.limits.block_size, group, graph_rows,
+                       config.limits.max_seq_len)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from python_backends.models import kernels
+from python_backends.models import gpu_attention, kernels
 
 
 @dataclass(frozen=True)
@@ -40,9 +40,15 @@ class PrefillSpan:
 
 @dataclass(frozen=True)
 class DecodeBatch:
+    """Each row's context as slots (the CPU's kernel and torch's SDPA gather them), or, where
+    `tables` is set, as its sequence's blocks, which the GPU kernel reads in place
+    (models.gpu_attention; `slots` is then [B, 0])."""
+
     token_index: torch.Tensor  # [B] index of each decoding token in the packed step
     slots: torch.Tensor  # [B, L] slots of each context, padded with slot 0
     lens: torch.Tensor  # [B] context length of each sequence (its first lens[b] slots)
+    tables: torch.Tensor | None = None  # [B, M] int32: each row's block table, padded with 0
+    block_size: int = 0  # tokens per block, where `tables` is set
 
     @functools.cached_property
     def mask(self) -> torch.Tensor:
@@ -53,7 +59,7 @@ class DecodeBatch:
 
     def to(self, device: torch.device) -> DecodeBatch:
         return DecodeBatch(_to(self.token_index, device), _to(self.slots, device),
-                           _to(self.lens, device))
+                           _to(self.lens, device), _opt(self.tables, device), self.block_size)
 
 
 @dataclass(frozen=True)
@@ -125,7 +131,11 @@ def window_mask(start: int, end: int, window: int) -> torch.Tensor:
 def write_kv(
     cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Store the step's keys and values. cache: [2, S, K, D]; k, v: [T, K, D]."""
+    """Store the step's keys and values. cache: [2, S, K, D]; k, v: [T, K, D]. On a GPU a
+    negative slot writes nothing (a CUDA graph's padding rows: engine.cuda_graphs)."""
+    if gpu_attention.supports(cache):
+        gpu_attention.write_kv(cache, k, v, slot_mapping)
+        return
     cache[0].index_copy_(0, slot_mapping, k)
     cache[1].index_copy_(0, slot_mapping, v)
 
@@ -165,8 +175,12 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, d: DecodeBatch,
                      scale: float, softcap: float = 0.0) -> torch.Tensor:
     """One query token per decoding sequence over its cached context. q: [B, H, D] -> [B, H, D].
 
-    On the CPU the native kernel reads each context in place (models/csrc/paged_attention.cpp);
-    elsewhere, or without it, the contexts are gathered into a padded batch for torch's SDPA."""
+    Where the batch carries block tables the Triton kernel reads each context in place
+    (models.gpu_attention: GPUs); on the CPU the native kernel does (paged_attention.cpp);
+    elsewhere, or without them, the contexts are gathered into a padded batch for SDPA."""
+    if d.tables is not None:
+        return gpu_attention.decode_attention(q, cache, d.tables, d.lens, d.block_size, scale,
+                                              softcap)
     if q.device.type == "cpu" and cache.is_contiguous() and not softcap:
         kernel = kernels.paged_decode_attention()
         if kernel is not None:

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from python_backends.config import EngineLimits, ParallelLayout
+from python_backends.engine.speculative import SpeculationConfig
 from python_backends.parallel.placement import Placement
 from python_backends.params import SamplingParams
 from tests.conftest import TinyModel, make_tiny_llama, prompts
@@ -32,12 +33,32 @@ def gpus(n: int) -> pytest.MarkDecorator:
                                                   f"{visible} visible")
 
 
-def test_one_gpu_matches_hf(tiny_llama: TinyModel) -> None:
-    engine = tiny_llama.engine(placement=GPU)
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+def test_one_gpu_matches_hf(tiny_llama: TinyModel, graphs: bool) -> None:
+    """Decode steps replayed from CUDA graphs (8 rows: rung 8), or launched eagerly; the cache
+    read in place by the Triton kernel either way."""
+    engine = tiny_llama.engine(placement=GPU, cuda_graphs=graphs)
     assert engine.runner.kv_pool.is_cuda and engine.handoff.pool.is_cuda
     assert all(p.is_cuda for p in engine.runner.model.parameters() if p.numel())
+    assert engine.runner.block_tables
+    assert (engine.runner.graphs is not None) == graphs
     batch = prompts(8, seed=2)
     assert run_all(engine, batch, 16) == [tiny_llama.greedy(p, 16) for p in batch]
+    if engine.runner.graphs is not None:
+        assert engine.runner.graphs.replays == 15  # every decode step after the prompts'
+
+
+def test_graphs_with_drafts_and_odd_batches_match_hf(tiny_llama: TinyModel) -> None:
+    """Drafted rows (up to 5 per sequence) and batches between rungs (3, 5, 7 rows: padding
+    rows that must neither write nor read the cache)."""
+    engine = tiny_llama.engine(placement=GPU, speculation=SpeculationConfig(num_tokens=4))
+    graphs = engine.runner.graphs
+    assert graphs is not None
+    for n in (3, 5, 7):
+        batch = [p * 3 for p in prompts(n, seed=40 + n, lo=4, hi=12)]  # repeats: drafts
+        assert run_all(engine, batch, 20) == [tiny_llama.greedy(p, 20) for p in batch]
+    assert graphs.replays > 0 and engine.scheduler.num_accepted_tokens > 0
+    assert engine.blocks.num_used == 0
 
 
 def test_one_gpu_chunked_prefill_matches_hf(tiny_llama: TinyModel) -> None:
