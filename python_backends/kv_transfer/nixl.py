@@ -10,14 +10,22 @@ Agents run without NIXL's progress thread (on a small CPU it spins a core and co
 throughput; see docs/platform.md), so each side progresses its agent itself: the puller by polling
 its transfer, the owner by polling notifications (`released`) while it holds leases. An agent is
 not thread-safe: every call goes through the wrapper's lock.
+
+NIXL ships one build per CUDA major version (PyPI `nixl-cu12`, `nixl-cu13`); the one matching
+torch's CUDA is used. GPU memory is offered to NIXL only where that build matches (`vram_problem`):
+with nixl-cu12 beside torch for CUDA 13, an owner registering its GPU pool hung on an H200
+(docs/platform.md, "NIXL"). Creating an agent over GPU memory is bounded in time either way.
 """
 
 from __future__ import annotations
 
 import base64
+import functools
+import importlib
 import threading
 import time
 import uuid
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -28,35 +36,108 @@ from python_backends.kv_transfer.base import Failure, KVHandle, KVSink, KVSource
 from python_backends.kv_transfer.layout import KVLayout, byte_ranges
 
 RELEASE_PREFIX = b"release:"
+BUILDS = {12: "nixl_cu12", 13: "nixl_cu13"}  # NIXL's Python package by CUDA major version
+# How long creating an agent and registering a GPU pool may take (well under a second where
+# it works) before the instance's load fails naming it, instead of hanging.
+VRAM_AGENT_TIMEOUT_S = 60.0
+
+
+def torch_cuda_major() -> int | None:
+    """The CUDA major version torch was built for; None for a CPU-only torch."""
+    return int(torch.version.cuda.split(".")[0]) if torch.version.cuda else None
+
+
+@functools.cache
+def _api() -> ModuleType | None:
+    """NIXL's API from the build for torch's CUDA, else any build installed (DRAM is the same
+    to every build)."""
+    want = BUILDS.get(torch_cuda_major() or 12, "")
+    for name in sorted(BUILDS.values(), key=lambda n: n != want):
+        try:
+            return importlib.import_module(f"{name}._api")
+        except ImportError:
+            continue
+    return None
+
+
+def build() -> str | None:
+    """The NIXL package in use (`nixl_cu12`, `nixl_cu13`), or None where none is installed."""
+    api = _api()
+    return api.__name__.split(".")[0] if api is not None else None
 
 
 def available() -> bool:
-    try:
-        import nixl_cu12._api  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return _api() is not None
+
+
+def vram_problem() -> str | None:
+    """Why NIXL is not offered GPU memory here (`kv_transports: auto`), or None where it is."""
+    name = build()
+    if name is None:
+        return "NIXL is not installed"
+    major = torch_cuda_major()
+    if major is None:
+        return "torch has no CUDA"
+    if name != BUILDS.get(major):
+        return (f"{name} is built for another CUDA than torch's ({torch.version.cuda}): an owner "
+                f"registering GPU memory so hung (install {BUILDS.get(major, 'a matching build')})")
+    return None
 
 
 class Agent:
     """A NIXL agent with its pool registered once, behind one lock."""
 
     def __init__(self, name: str, pool: torch.Tensor) -> None:
-        from nixl_cu12._api import nixl_agent, nixl_agent_config
-
         self.name = name
         self.lock = threading.Lock()
-        self.agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False))
         self.pool = pool
-        self._registration = self.agent.register_memory(pool)
         self.base = pool.data_ptr()
         self.mem_type = "VRAM" if pool.is_cuda else "DRAM"
         self.device = max(pool.get_device(), 0)
-        self.metadata = self.agent.get_agent_metadata()  # after registering: it carries them
+        if pool.is_cuda:
+            self.agent, self._registration, self.metadata = _bounded(
+                lambda: _register(name, pool), VRAM_AGENT_TIMEOUT_S,
+                f"NIXL agent {name} over GPU memory ({build()})")
+        else:
+            self.agent, self._registration, self.metadata = _register(name, pool)
 
     def close(self) -> None:
         with self.lock:
             self.agent.deregister_memory(self._registration)
+
+
+def _register(name: str, pool: torch.Tensor) -> tuple[Any, Any, bytes]:
+    """A new agent, `pool` registered with it, and its metadata (taken after registering:
+    it carries the registrations)."""
+    api = _api()
+    if api is None:
+        raise TransferError(Failure.ERROR, "NIXL is not installed")
+    agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=False))
+    registration = agent.register_memory(pool)
+    return agent, registration, agent.get_agent_metadata()
+
+
+def _bounded(make: Any, seconds: float, what: str) -> Any:
+    """make() on a thread of its own, waited for at most `seconds`: a TransferError after that
+    (the thread is left behind, blocked where NIXL blocked it)."""
+    result: list[Any] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(make())
+        except BaseException as e:  # handed to the caller's thread
+            errors.append(e)
+
+    thread = threading.Thread(target=run, name=f"nixl-register-{what}", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if errors:
+        raise errors[0]
+    if not result:
+        raise TransferError(Failure.TIMEOUT, f"{what}: not created within {seconds:.0f} s "
+                                             "(docs/platform.md, \"NIXL\")")
+    return result[0]
 
 
 def agent_name(role: str) -> str:

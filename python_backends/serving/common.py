@@ -64,22 +64,29 @@ AUTO_TRANSPORTS = {False: "nixl,host_shm", True: "cuda_ipc,nixl"}  # by "on a GP
 
 def kv_transports(margs: ModelArgs, value: str) -> list[str]:
     """The model's `kv_transports` parameter: comma-separated, in order of preference, or
-    `auto` (AUTO_TRANSPORTS by the instance's kind). NIXL is left out, with a warning, where
-    nixl-cu12 is not installed."""
+    `auto` (AUTO_TRANSPORTS by the instance's kind, NIXL on a GPU only where its build matches
+    torch's CUDA: kv_transfer.nixl.vram_problem). NIXL is left out, with a warning, where it is
+    not installed or `auto` leaves it out."""
     from python_backends.kv_transfer import nixl
     from python_backends.kv_transfer.factory import TransportUnavailable, check_names
 
-    if value.strip() == "auto":
-        value = AUTO_TRANSPORTS[margs.placement.on_gpu]
     names = [n.strip() for n in value.split(",") if n.strip()]
+    on_gpu = margs.placement.on_gpu
+    if value.strip() == "auto":
+        names = AUTO_TRANSPORTS[on_gpu].split(",")
+        if on_gpu and "nixl" in names and (why := nixl.vram_problem()) is not None:
+            logging.getLogger(__name__).warning(
+                "%s: kv_transports auto: NIXL not offered from GPU memory: %s",
+                margs.model_name, why)
+            names.remove("nixl")
     try:
         check_names(names)
     except TransportUnavailable as e:
         raise pb_utils.TritonModelException(f"{margs.model_name}: kv_transports: {e}") from None
     if "nixl" in names and not nixl.available():
         logging.getLogger(__name__).warning(
-            "%s: nixl-cu12 is not installed; NIXL transport off", margs.model_name
-        )
+            "%s: NIXL (nixl-cu12 or nixl-cu13) is not installed; NIXL transport off",
+            margs.model_name)
         names.remove("nixl")
     return names
 

@@ -72,7 +72,7 @@ def test_nixl_pulls_from_gpu_memory_across_processes(dst_device: str) -> None:
     """The prefill side's pool is on the GPU (registered as VRAM); decode pulls it into a GPU
     pool, or into a host pool (a CPU decode instance beside a GPU prefill)."""
     if not nixl.available():
-        pytest.skip("nixl-cu12 not installed")
+        pytest.skip("NIXL (nixl-cu12 or nixl-cu13) not installed")
     with test_transports.owner_process("nixl", device="cuda") as owned:
         assert owned[0].location["mem_type"] == "VRAM"
         layout = KVLayout(**{**test_transports.LAYOUT.to_dict(), "num_blocks": 16})

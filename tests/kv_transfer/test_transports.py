@@ -57,7 +57,7 @@ def _owner(kind: str, conn: Any, device: str = "cpu") -> None:
 @pytest.fixture(params=["host_shm", "nixl"])
 def kind(request: pytest.FixtureRequest) -> str:
     if request.param == "nixl" and not nixl.available():
-        pytest.skip("nixl-cu12 not installed")
+        pytest.skip("NIXL (nixl-cu12 or nixl-cu13) not installed")
     return str(request.param)
 
 
@@ -178,14 +178,14 @@ def test_a_timed_out_nixl_read_is_waited_for_before_its_blocks_are_given_up(
     timeout (the blocks may be reused); one that still runs is cancelled and reported IN_DOUBT,
     so the engine never reuses its blocks (engine.kv_handoff.BlocksInDoubt)."""
     if not nixl.available():
-        pytest.skip("nixl-cu12 not installed")
+        pytest.skip("NIXL (nixl-cu12 or nixl-cu13) not installed")
     handle, _src, conn = owner
     boards = BoardCache()
     layout = KVLayout(**{**LAYOUT.to_dict(), "num_blocks": 16})
     sink = nixl.NixlSink(layout, allocate_pool(layout), nixl.agent_name("test-puller"), boards,
                          timeout_s=0.05, cancel_grace_s=0.3)
     slow = SlowAgent(sink.agent.agent, seconds)
-    sink.agent.agent = slow  # type: ignore[assignment]
+    sink.agent.agent = slow
     with pytest.raises(TransferError) as info:
         sink.pull(handle, [0, 1, 2, 3])
     assert info.value.kind is failure and slow.released == 1

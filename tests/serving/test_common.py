@@ -67,3 +67,26 @@ def test_a_call_is_accepted_before_it_is_handed_over_and_a_bad_one_only_refused(
     assert flags == FINAL and answer.error is not None
     assert "worker: bad request" in answer.error.message
     assert not good.sender.sent and not bad.sender.sent  # nothing sent from execute itself
+
+
+def _margs(kind: str) -> Any:
+    common = sys.modules["python_backends.serving.common"]
+    return common.ModelArgs({"model_name": "prefill", "model_config": "{}",
+                             "model_instance_kind": kind, "model_instance_device_id": "0"})
+
+
+def test_auto_transports_offer_nixl_from_gpu_memory_only_where_its_build_fits(
+        front: types.ModuleType, monkeypatch: Any) -> None:
+    from python_backends.kv_transfer import nixl
+
+    kv_transports = sys.modules["python_backends.serving.common"].kv_transports
+
+    monkeypatch.setattr(nixl, "available", lambda: True)
+    monkeypatch.setattr(nixl, "vram_problem", lambda: None)
+    assert kv_transports(_margs("GPU"), "auto") == ["cuda_ipc", "nixl"]
+    monkeypatch.setattr(nixl, "vram_problem", lambda: "nixl_cu12 is built for another CUDA")
+    assert kv_transports(_margs("GPU"), "auto") == ["cuda_ipc"]
+    assert kv_transports(_margs("GPU"), "nixl,cuda_ipc") == ["nixl", "cuda_ipc"]  # as asked
+    assert kv_transports(_margs("CPU"), "auto") == ["nixl", "host_shm"]  # DRAM: any build
+    monkeypatch.setattr(nixl, "available", lambda: False)
+    assert kv_transports(_margs("CPU"), "auto") == ["host_shm"]
