@@ -33,11 +33,13 @@ from python_backends.engine.llm_engine import LLMEngine
 from python_backends.parallel.placement import Placement
 from python_backends.params import SamplingParams
 
-SHAPE: dict[str, Any] = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-             num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
-             tie_word_embeddings=True)
+SHAPE: dict[str, Any] = dict(
+    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
+    tie_word_embeddings=True)
 DATASHEET_TBS = {"H200": 4.8, "H100": 3.35}  # HBM bandwidth by the vendor's datasheets, TB/s
 BLOCK = 16
+HEADROOM = 64  # output tokens beyond the timed steps: the prompts' own steps come first
 
 
 def copy_bandwidth(gib: float = 2.0) -> float:
@@ -70,10 +72,12 @@ def build(root: Path, dtype: str, max_rows: int, max_seq_len: int) -> Path:
     return out
 
 
-def decode_steps(engine: LLMEngine, batch: int, args: argparse.Namespace) -> list[float]:
-    """Seconds of each of `args.steps` decode steps of `batch` sequences."""
+def decode_steps(engine: LLMEngine, batch: int, args: argparse.Namespace
+                 ) -> tuple[list[float], dict[str, float]]:
+    """Seconds of each of `args.steps` decode steps of `batch` sequences (the prompts take
+    several steps, so the first ones are ahead; all are aborted after the timed steps)."""
     g = torch.Generator().manual_seed(batch)
-    params = SamplingParams(max_tokens=args.steps + 2)  # random weights, no end id
+    params = SamplingParams(max_tokens=args.steps + HEADROOM)  # random weights, no end id
     for i in range(batch):
         engine.add_request(f"{batch}-{i}", torch.randint(1, SHAPE["vocab_size"],
                                                          (args.prompt_tokens,),
@@ -82,14 +86,34 @@ def decode_steps(engine: LLMEngine, batch: int, args: argparse.Namespace) -> lis
     while started < batch:  # the prompts' steps
         started += sum(1 for e in engine.step() if e.num_output_tokens == 1)
     times = []
+    phases = dict(engine.step_seconds)
     for _ in range(args.steps):
         t0 = time.perf_counter()
         events = engine.step()
         times.append(time.perf_counter() - t0)
         assert len(events) == batch, f"a decode step of {len(events)} rows, not {batch}"
-    while engine.has_unfinished:
-        engine.step()
-    return times
+    per_step = {k: (v - phases[k]) / args.steps for k, v in engine.step_seconds.items()}
+    for i in range(batch):
+        engine.abort(f"{batch}-{i}")
+    assert not engine.has_unfinished and engine.blocks.num_used == 0
+    return times, per_step
+
+
+def replay_seconds(engine: LLMEngine, batch: int, n: int = 50) -> float:
+    """The GPU's time for one replay of the graph a step of `batch` rows takes (CUDA events
+    around n back-to-back replays): the forward pass without the host's work."""
+    graphs = engine.runner.graphs
+    assert graphs is not None
+    rung = graphs.rung(batch)
+    assert rung is not None
+    graph = graphs.graphs[rung][0]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / n
 
 
 def step_bytes(engine: LLMEngine, batch: int, context: int) -> int:
@@ -106,9 +130,9 @@ def bench_decode(args: argparse.Namespace, peak: float) -> list[dict[str, Any]]:
     batches = [int(b) for b in args.batches.split(",")]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        engine_dir = build(Path(tmp), args.dtype, max(batches),
-                           args.prompt_tokens + args.steps + 16)
-        blocks = max(batches) * -(-(args.prompt_tokens + args.steps + 2) // BLOCK) + 64
+        longest = args.prompt_tokens + args.steps + HEADROOM
+        engine_dir = build(Path(tmp), args.dtype, max(batches), longest)
+        blocks = max(batches) * -(-longest // BLOCK) + 64
         for graphs in (False, True):
             t0 = time.perf_counter()
             engine = LLMEngine.from_engine_dir(engine_dir, num_kv_blocks=blocks,
@@ -118,14 +142,17 @@ def bench_decode(args: argparse.Namespace, peak: float) -> list[dict[str, Any]]:
                   f"{time.perf_counter() - t0:.1f} s", flush=True)
             for batch in batches:
                 decode_steps(engine, batch, args)  # warm-up: kernels compiled, allocator grown
-                times = decode_steps(engine, batch, args)
+                times, phases = decode_steps(engine, batch, args)
                 ms = statistics.median(times) * 1e3
                 moved = step_bytes(engine, batch, args.prompt_tokens + args.steps // 2)
+                replay = replay_seconds(engine, batch) * 1e3 if graphs else None
                 rows.append({"graphs": graphs, "batch": batch, "step_ms": ms,
-                             "p90_ms": statistics.quantiles(times, n=10)[-1] * 1e3,
-                             "bytes": moved, "roofline_ms": moved / peak * 1e3})
+                             "bytes": moved, "roofline_ms": moved / peak * 1e3,
+                             "replay_ms": replay,
+                             "phases_ms": {k: v * 1e3 for k, v in phases.items()}})
                 print(f"[bench_gpu] graphs {'on ' if graphs else 'off'} batch {batch:3d}: "
-                      f"{ms:7.3f} ms a step", flush=True)
+                      f"{ms:7.3f} ms a step" + (f", replay alone {replay:.3f} ms"
+                                                if replay is not None else ""), flush=True)
             if graphs:
                 assert engine.runner.graphs is not None and engine.runner.graphs.replays > 0
             del engine
@@ -219,6 +246,15 @@ def main(argv: list[str] | None = None) -> int:
               f"{off['step_ms'] / on['step_ms']:.1f}x | {on['bytes'] / 1e6:.0f} | "
               f"{on['roofline_ms']:.3f} | {off['roofline_ms'] / off['step_ms']:.0%} | "
               f"{on['roofline_ms'] / on['step_ms']:.0%} |")
+    print("\nGraphs on: the forward pass alone (one replay, GPU time) and the engine's step by "
+          "phase (host time, ms a step; forward includes the replay and waiting for it)")
+    phases = list(rows[0]["phases_ms"])
+    print("| batch | replay ms | replay: of roofline | " + " | ".join(phases) + " |")
+    print("|---|---|---|" + "---|" * len(phases))
+    for on in (r for r in rows if r["graphs"]):
+        print(f"| {on['batch']} | {on['replay_ms']:.3f} | "
+              f"{on['roofline_ms'] / on['replay_ms']:.0%} | "
+              + " | ".join(f"{on['phases_ms'][k]:.3f}" for k in phases) + " |")
     ipc = bench_ipc(args)
     print(f"\nCUDA IPC handoff between two processes, a {args.ipc_tokens}-token prompt's KV "
           f"({ipc['bytes'] / 1e6:.1f} MB, {args.dtype}): first pull {ipc['first_s'] * 1e3:.2f} ms "

@@ -17,6 +17,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -29,6 +30,17 @@ log = logging.getLogger(__name__)
 
 class Replayable(Protocol):
     def replay(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """A decode step's inputs, as the graphs read them (int32, `rows` of each)."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    lens: torch.Tensor
+    tables: torch.Tensor  # [rows, max_blocks]
 
 
 def ladder(max_rows: int) -> list[int]:
@@ -50,11 +62,14 @@ class DecodeGraphs:
         self.block_size = block_size
         self.rungs = ladder(max_rows)
         rows = self.rungs[-1]
-        self.input_ids = torch.zeros(rows, dtype=torch.long, device=device)
-        self.positions = torch.zeros(rows, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((rows,), -1, dtype=torch.long, device=device)
-        self.lens = torch.zeros(rows, dtype=torch.int32, device=device)
-        self.tables = torch.zeros(rows, max_blocks, dtype=torch.int32, device=device)
+        # Every input in one int32 buffer, filled on the host in a pinned twin and copied over
+        # in one transfer a step: token ids, positions, slots, context lengths, block tables.
+        size = rows * (4 + max_blocks)
+        self.static = torch.zeros(size, dtype=torch.int32, device=device)
+        self.staging = torch.zeros(size, dtype=torch.int32, pin_memory=device.type == "cuda")
+        self.inputs = self._views(self.static, rows, max_blocks)
+        self.staged = self._views(self.staging, rows, max_blocks)
+        self.staged.slot_mapping.fill_(-1)
         self.row_index = torch.arange(rows, device=device)
         self.graphs: dict[int, tuple[Replayable, torch.Tensor]] = {}
         self.replays = 0  # steps replayed since load
@@ -62,6 +77,11 @@ class DecodeGraphs:
         self._capture()
         log.info("decode steps as CUDA graphs: %d rungs up to %d rows captured in %.1f s",
                  len(self.rungs), rows, time.perf_counter() - start)
+
+    @staticmethod
+    def _views(buffer: torch.Tensor, rows: int, max_blocks: int) -> StepInputs:
+        ids, positions, slots, lens, tables = buffer.split([rows] * 4 + [rows * max_blocks])
+        return StepInputs(ids, positions, slots, lens, tables.view(rows, max_blocks))
 
     @staticmethod
     def refusal(model: CausalLM) -> str | None:
@@ -76,19 +96,19 @@ class DecodeGraphs:
         return None
 
     def _meta(self, rows: int) -> AttentionMetadata:
-        index = self.row_index[:rows]
-        decode = DecodeBatch(index, self.tables.new_empty(rows, 0, dtype=torch.long),
-                             self.lens[:rows], self.tables[:rows], self.block_size)
-        return AttentionMetadata(positions=self.positions[:rows],
-                                 slot_mapping=self.slot_mapping[:rows], prefills=(),
+        index, inputs = self.row_index[:rows], self.inputs
+        decode = DecodeBatch(index, index.new_empty(rows, 0), inputs.lens[:rows],
+                             inputs.tables[:rows], self.block_size)
+        return AttentionMetadata(positions=inputs.positions[:rows],
+                                 slot_mapping=inputs.slot_mapping[:rows], prefills=(),
                                  decode=decode, logits_index=index)
 
     @torch.inference_mode()
     def _capture(self) -> None:
         pool = torch.cuda.graph_pool_handle()
         for rows in reversed(self.rungs):  # the largest first: the smaller reuse its memory
-            self.graphs[rows] = self._record(self.input_ids[:rows], self._meta(rows), pool)
-        torch.cuda.synchronize(self.input_ids.device)
+            self.graphs[rows] = self._record(self.inputs.ids[:rows], self._meta(rows), pool)
+        torch.cuda.synchronize(self.static.device)
 
     def _record(self, ids: torch.Tensor, meta: AttentionMetadata,
                 pool: Any) -> tuple[Replayable, torch.Tensor]:
@@ -116,16 +136,21 @@ class DecodeGraphs:
             return None
         n = input_ids.shape[0]
         rows = self.rung(n)
-        if rows is None or d.tables.shape[1] > self.tables.shape[1]:
+        if rows is None or d.tables.shape[1] > self.staged.tables.shape[1]:
             return None
-        self.input_ids[:n].copy_(input_ids, non_blocking=True)
-        self.positions[:n].copy_(meta.positions, non_blocking=True)
-        self.slot_mapping[:n].copy_(meta.slot_mapping, non_blocking=True)
-        self.slot_mapping[n:rows].fill_(-1)
-        self.lens[:n].copy_(d.lens, non_blocking=True)
-        self.lens[n:rows].zero_()
-        self.tables[:n, : d.tables.shape[1]].copy_(d.tables, non_blocking=True)
+        staged = self.staged
+        staged.ids[:n] = input_ids
+        staged.positions[:n] = meta.positions
+        staged.slot_mapping[:n] = meta.slot_mapping
+        staged.slot_mapping[n:rows] = -1
+        staged.lens[:n] = d.lens
+        staged.lens[n:rows] = 0
+        staged.tables[:n, : d.tables.shape[1]] = d.tables
+        self.static.copy_(self.staging, non_blocking=True)
         graph, out = self.graphs[rows]
         graph.replay()
         self.replays += 1
-        return out[meta.logits_index.to(out.device, non_blocking=True)]
+        index = meta.logits_index
+        if len(index) == n and (n == 0 or int(index[-1]) == n - 1):  # rows 0..n-1, in order
+            return out[:n]
+        return out[index.to(out.device, non_blocking=True)]

@@ -103,6 +103,14 @@ class ModelRunner:
         table = torch.tensor(seq.block_table, dtype=torch.long)
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
+    def _slot_list(self, seq: Sequence, start: int, end: int) -> list[int]:
+        """_slots as a list: in Python for a few positions (a decode row, a draft), where
+        torch's per-call cost would dominate a step of many sequences."""
+        if end - start > 32:
+            return list(self._slots(seq, start, end).tolist())
+        bs, table = self.block_size, seq.block_table
+        return [table[p // bs] * bs + p % bs for p in range(start, end)]
+
     def prepare(
         self, scheduled: Seq[ScheduledSequence]
     ) -> tuple[torch.Tensor, AttentionMetadata, list[Sequence]]:
@@ -116,8 +124,8 @@ class ModelRunner:
         self, scheduled: Seq[ScheduledSequence]
     ) -> tuple[torch.Tensor, AttentionMetadata, list[Sequence]]:
         input_ids: list[int] = []
-        positions: list[torch.Tensor] = []
-        slot_mapping: list[torch.Tensor] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
         prompts: list[tuple[Sequence, int, int, int]] = []  # seq, first row, start, end
         decode_index: list[int] = []
         decodes: list[tuple[Sequence, int]] = []  # a decode row's sequence and context length
@@ -129,8 +137,8 @@ class ModelRunner:
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             input_ids.extend(seq.token_at(i) for i in range(start, end - len(item.draft)))
             input_ids.extend(item.draft)
-            positions.append(torch.arange(start, end))
-            slot_mapping.append(self._slots(seq, start, end))
+            positions.extend(range(start, end))
+            slot_mapping.extend(self._slot_list(seq, start, end))
             if n == 1 or item.draft:  # a decode row per position, over the context up to it
                 decode_index.extend(range(t, t + n))
                 decodes.extend((seq, start + 1 + i) for i in range(n))
@@ -142,8 +150,8 @@ class ModelRunner:
                 logits_index.extend(rows)
                 sampling.extend([seq] * len(rows))
         meta = AttentionMetadata(
-            positions=torch.cat(positions),
-            slot_mapping=torch.cat(slot_mapping),
+            positions=torch.tensor(positions, dtype=torch.long),
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long),
             prefills=tuple(self._prefill_span(*p, self.window) for p in prompts),
             decode=self._decode_batch(decode_index, decodes, self.window),
             logits_index=torch.tensor(logits_index, dtype=torch.long),
@@ -175,11 +183,11 @@ class ModelRunner:
         if not decodes:
             return None
         if self.block_tables:  # window 0 here: every context starts at its first block
-            longest = max(-(-n_ctx // self.block_size) for _, n_ctx in decodes)
-            tables = torch.zeros(len(decodes), longest, dtype=torch.int32)
-            for i, (seq, n_ctx) in enumerate(decodes):
-                used = -(-n_ctx // self.block_size)
-                tables[i, :used] = torch.tensor(seq.block_table[:used], dtype=torch.int32)
+            used = [-(-n_ctx // self.block_size) for _, n_ctx in decodes]
+            longest = max(used)
+            tables = torch.tensor([seq.block_table[:u] + [0] * (longest - u)
+                                   for (seq, _), u in zip(decodes, used, strict=True)],
+                                  dtype=torch.int32)
             return DecodeBatch(torch.tensor(rows), torch.empty(len(rows), 0, dtype=torch.long),
                                torch.tensor([n for _, n in decodes], dtype=torch.int32),
                                tables, self.block_size)

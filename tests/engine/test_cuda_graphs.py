@@ -44,7 +44,7 @@ class EagerGraphs(DecodeGraphs):
 
     def _capture(self) -> None:
         for rows in self.rungs:
-            ids, meta = self.input_ids[:rows], self._meta(rows)
+            ids, meta = self.inputs.ids[:rows], self._meta(rows)
             out = self.model(ids, meta)
             self.graphs[rows] = (Replay(self._replayer(ids, meta, out)), out)
 
