@@ -160,7 +160,12 @@ def paged_decode_attention() -> Any | None:
 def layer_ops(x: torch.Tensor) -> Any | None:
     """torch.ops.llm_kernels, whose rms_norm, add_rms_norm, rope_write_kv and silu_mul compute
     the float32 work between a layer's projections (csrc/layer_ops.cpp), where `x` is a float32
-    CPU tensor and the kernels load; else None."""
+    CPU tensor and the kernels load; the same four in Triton on a GPU (models.gpu_layer_ops);
+    else None."""
+    if x.is_cuda:
+        from python_backends.models import gpu_layer_ops
+
+        return gpu_layer_ops.ops(x)
     if x.dtype != torch.float32 or x.device.type != "cpu" or not load():
         return None
     return torch.ops.llm_kernels

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from python_backends.engine.cuda_graphs import DecodeGraphs, ladder
-from python_backends.models import kernels
+from python_backends.models import gpu_layer_ops, kernels
 from python_backends.models.attention import AttentionMetadata
 from tests.conftest import TinyModel, prompts
 from tests.engine.test_llm_engine import run_all
@@ -59,9 +59,9 @@ class EagerGraphs(DecodeGraphs):
 @interpreted
 def test_replayed_steps_match_hf_and_leave_the_cache_to_real_rows(
         tiny_llama: TinyModel, monkeypatch: pytest.MonkeyPatch) -> None:
-    # The layers as on a GPU: torch's ops between the projections (the CPU's fused ones
-    # refuse the padding's slot -1) and the Triton kernels writing and reading the cache.
-    monkeypatch.setattr(kernels, "layer_ops", lambda x: None)
+    # The layers as on a GPU: the Triton kernels between the projections (models.gpu_layer_ops:
+    # norms, rotation with the cache write, SiLU x up) and reading the cache.
+    monkeypatch.setattr(kernels, "layer_ops", lambda x: gpu_layer_ops.GpuLayerOps())
     engine = tiny_llama.engine(num_kv_blocks=48)
     runner = engine.runner
     graphs = runner.graphs = EagerGraphs(runner.model, 4, 32, runner.block_size)

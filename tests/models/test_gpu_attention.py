@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from python_backends.config import PROJECT_ROOT
-from python_backends.models import gpu_attention
+from python_backends.models import gpu_attention, gpu_layer_ops
 from python_backends.models.attention import DecodeBatch, gathered_decode_attention
 from tests.conftest import TinyModel, prompts
 from tests.engine.test_llm_engine import run_all
@@ -117,3 +117,52 @@ def test_engine_over_block_tables_matches_hf(tiny_llama: TinyModel) -> None:
     batch.append(batch[0] + [5, 6, 7])  # shares the first prompt's blocks
     assert run_all(engine, batch, 8) == [tiny_llama.greedy(p, 8) for p in batch]
     assert engine.blocks.num_used == 0
+
+
+@kernel_test
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_ops_match_torch(dtype: torch.dtype) -> None:
+    """models.gpu_layer_ops against the decoder's torch ops, as Hugging Face computes them."""
+    from python_backends.models.common import RMSNorm, apply_rotary
+
+    g = torch.Generator().manual_seed(5)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2,
+                                                                       "rtol": 2e-2}
+    ops = gpu_layer_ops.GpuLayerOps()
+    x, delta = (torch.randn(5, 48, generator=g).to(dtype) for _ in range(2))
+    norm = RMSNorm(48, 1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(48, generator=g))
+    total, y = ops.add_rms_norm(x.to(DEVICE), delta.to(DEVICE), norm.weight.to(DEVICE), 1e-6)
+    if dtype == torch.float32 or DEVICE == "cuda":  # the interpreter truncates to bfloat16
+        assert torch.equal(total.cpu(), x + delta)
+    torch.testing.assert_close(total.cpu(), x + delta, **tol)
+    torch.testing.assert_close(y.cpu(), norm(x + delta), **tol)
+    torch.testing.assert_close(ops.rms_norm(x.to(DEVICE), norm.weight.to(DEVICE), 1e-6).cpu(),
+                               norm(x), **tol)
+
+    heads, kv_heads, dim, t = 6, 2, 16, 4
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
+    angles = torch.randn(t, 1, dim // 2, generator=g)
+    cos, sin = (f(torch.cat((angles, angles), -1)).to(dtype) for f in (torch.cos, torch.sin))
+    cache = torch.zeros(2, 12, kv_heads, dim, dtype=dtype)
+    slots = torch.tensor([3, -1, 0, 11])
+    on = cache.to(DEVICE)
+    q, k = ops.rope_write_kv(qkv.to(DEVICE), cos.to(DEVICE), sin.to(DEVICE), on,
+                             slots.to(DEVICE), heads, kv_heads)
+    q_ref = apply_rotary(qkv[:, : heads * dim].float().view(t, heads, dim), (cos.float(),
+                                                                            sin.float()))
+    k_ref = apply_rotary(qkv[:, heads * dim: (heads + kv_heads) * dim].float().view(
+        t, kv_heads, dim), (cos.float(), sin.float()))
+    v = qkv[:, (heads + kv_heads) * dim:].view(t, kv_heads, dim)
+    torch.testing.assert_close(q.cpu().float(), q_ref, **tol)
+    torch.testing.assert_close(k.cpu().float(), k_ref, **tol)
+    for i, s in enumerate(slots.tolist()):
+        if s >= 0:
+            assert torch.equal(on[0, s].cpu(), k[i].cpu()) and torch.equal(on[1, s].cpu(), v[i])
+    assert not on[:, [1, 2, 4, 5, 6, 7, 8, 9, 10]].any()  # the -1 row wrote nothing
+
+    gate_up = torch.randn(3, 2 * 40, generator=g).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(ops.silu_mul(gate_up.to(DEVICE)).cpu(),
+                               torch.nn.functional.silu(gate) * up, **tol)
