@@ -126,8 +126,7 @@ def test_layer_ops_match_torch(dtype: torch.dtype) -> None:
     from python_backends.models.common import RMSNorm, apply_rotary
 
     g = torch.Generator().manual_seed(5)
-    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2,
-                                                                       "rtol": 2e-2}
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
     ops = gpu_layer_ops.GpuLayerOps()
     x, delta = (torch.randn(5, 48, generator=g).to(dtype) for _ in range(2))
     norm = RMSNorm(48, 1e-6).to(dtype)
@@ -136,10 +135,10 @@ def test_layer_ops_match_torch(dtype: torch.dtype) -> None:
     total, y = ops.add_rms_norm(x.to(DEVICE), delta.to(DEVICE), norm.weight.to(DEVICE), 1e-6)
     if dtype == torch.float32 or DEVICE == "cuda":  # the interpreter truncates to bfloat16
         assert torch.equal(total.cpu(), x + delta)
-    torch.testing.assert_close(total.cpu(), x + delta, **tol)
-    torch.testing.assert_close(y.cpu(), norm(x + delta), **tol)
+    torch.testing.assert_close(total.cpu(), x + delta, atol=tol, rtol=tol)
+    torch.testing.assert_close(y.cpu(), norm(x + delta), atol=tol, rtol=tol)
     torch.testing.assert_close(ops.rms_norm(x.to(DEVICE), norm.weight.to(DEVICE), 1e-6).cpu(),
-                               norm(x), **tol)
+                               norm(x), atol=tol, rtol=tol)
 
     heads, kv_heads, dim, t = 6, 2, 16, 4
     qkv = torch.randn(t, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
@@ -155,8 +154,8 @@ def test_layer_ops_match_torch(dtype: torch.dtype) -> None:
     k_ref = apply_rotary(qkv[:, heads * dim: (heads + kv_heads) * dim].float().view(
         t, kv_heads, dim), (cos.float(), sin.float()))
     v = qkv[:, (heads + kv_heads) * dim:].view(t, kv_heads, dim)
-    torch.testing.assert_close(q.cpu().float(), q_ref, **tol)
-    torch.testing.assert_close(k.cpu().float(), k_ref, **tol)
+    torch.testing.assert_close(q.cpu().float(), q_ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(k.cpu().float(), k_ref, atol=tol, rtol=tol)
     for i, s in enumerate(slots.tolist()):
         if s >= 0:
             assert torch.equal(on[0, s].cpu(), k[i].cpu()) and torch.equal(on[1, s].cpu(), v[i])
@@ -165,4 +164,4 @@ def test_layer_ops_match_torch(dtype: torch.dtype) -> None:
     gate_up = torch.randn(3, 2 * 40, generator=g).to(dtype)
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(ops.silu_mul(gate_up.to(DEVICE)).cpu(),
-                               torch.nn.functional.silu(gate) * up, **tol)
+                               torch.nn.functional.silu(gate) * up, atol=tol, rtol=tol)
