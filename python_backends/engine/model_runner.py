@@ -89,8 +89,10 @@ class ModelRunner:
                              and not self.layer_window
                              and all(isinstance(a, Attention) for a in model.attention_layers()))
         self.graphs: DecodeGraphs | None = None
-        if graph_rows and group is None and self.block_tables and kv_pool.is_cuda:
-            if (why_not := DecodeGraphs.refusal(model)) is not None:
+        if graph_rows and kv_pool.is_cuda:
+            why_not = ("a sliding window or latent attention" if not self.block_tables
+                       else DecodeGraphs.refusal(model))
+            if why_not is not None:
                 log.info("decode steps run eagerly: %s", why_not)
             else:
                 max_blocks = -(-(max_seq_len or model.config.max_position_embeddings)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from types import ModuleType
 from typing import Any
 
@@ -44,14 +45,12 @@ def available() -> bool:
     return _triton() is not None
 
 
-def supports(cache: torch.Tensor) -> bool:
-    """Whether these kernels run on `cache`'s device: CUDA with Triton, or any device under the
-    interpreter (TRITON_INTERPRET=1)."""
-    if not available() or not cache.is_contiguous():
+def supports(t: torch.Tensor) -> bool:
+    """Whether these kernels run on `t` (contiguous): on CUDA with Triton, or on any device
+    under the interpreter (TRITON_INTERPRET=1). A CPU engine never imports Triton here."""
+    if not (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
         return False
-    import os
-
-    return cache.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    return t.is_contiguous() and available()
 
 
 @functools.cache
