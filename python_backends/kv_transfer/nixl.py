@@ -79,8 +79,9 @@ def vram_problem() -> str | None:
     if major is None:
         return "torch has no CUDA"
     if name != BUILDS.get(major):
-        return (f"{name} is built for another CUDA than torch's ({torch.version.cuda}): an owner "
-                f"registering GPU memory so hung (install {BUILDS.get(major, 'a matching build')})")
+        wanted = BUILDS[major].replace("_", "-") if major in BUILDS else "a build for it"
+        return (f"{name} is built for another CUDA than torch's ({torch.version.cuda}), and "
+                f"registering GPU memory with such a build hung (install {wanted})")
     return None
 
 
