@@ -95,7 +95,7 @@ class GeneratorModel(EngineListener):
             waiting=PriorityFairQueue(options.weights()),
             placement=margs.placement,
             cpu_threads=options.threads, speculation=speculation(options),
-            **prefix_caching(options),
+            cuda_graphs=options.cuda_graphs, **prefix_caching(options),
         ))
         self.metrics = EngineMetrics(margs.model_name, margs.instance_name)
         self._callers: dict[str, _Caller] = {}

@@ -86,6 +86,8 @@ class GeneratorOptions(EngineOptions):
     # drafts follow each sequence's acceptance, pausing where they keep failing
     # (engine.speculative); false: every draft as long as a match allows
     adaptive_speculation: bool = True
+    # decode steps replayed as CUDA graphs where the instance is on a GPU (engine.cuda_graphs)
+    cuda_graphs: bool = True
     # admission weights by tenant, a JSON object of numbers ({"default": 1, "gold": 3})
     tenant_weights: str = "{}"
     drain_timeout_seconds: float = 60.0  # a reload waits this long for running sequences
