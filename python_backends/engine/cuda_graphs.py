@@ -105,10 +105,12 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def _capture(self) -> None:
-        pool = torch.cuda.graph_pool_handle()
-        for rows in reversed(self.rungs):  # the largest first: the smaller reuse its memory
-            self.graphs[rows] = self._record(self.inputs.ids[:rows], self._meta(rows), pool)
-        torch.cuda.synchronize(self.static.device)
+        # On the model's GPU, whichever is current on the loading thread (KIND_GPU on GPU 1).
+        with torch.cuda.device(self.static.device):
+            pool = torch.cuda.graph_pool_handle()
+            for rows in reversed(self.rungs):  # the largest first: the smaller reuse its memory
+                self.graphs[rows] = self._record(self.inputs.ids[:rows], self._meta(rows), pool)
+            torch.cuda.synchronize()
 
     def _record(self, ids: torch.Tensor, meta: AttentionMetadata,
                 pool: Any) -> tuple[Replayable, torch.Tensor]:
