@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from python_backends.models import gpu_attention
+from python_backends.models.gpu_attention import pow2
 
 
 @functools.cache
@@ -99,10 +100,6 @@ def _kernels() -> dict[str, Any]:
     return {"norm": norm_kernel, "rope": rope_write_kernel, "silu": silu_mul_kernel}
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
 class GpuLayerOps:
     """kernels.layer_ops' interface over the Triton kernels above."""
 
@@ -126,7 +123,7 @@ class GpuLayerOps:
         if rows:
             _kernels()["norm"][(rows,)](
                 x, delta.contiguous() if delta is not None else x, weight, total, y, width, eps,
-                HAS_DELTA=delta is not None, BLOCK=_pow2(width))
+                HAS_DELTA=delta is not None, BLOCK=pow2(width))
         return total, y
 
     @staticmethod
@@ -145,7 +142,7 @@ class GpuLayerOps:
             _kernels()["rope"][(t,)](
                 qkv, cos, sin, cache, slots, q, k, qkv.stride(0), cos.stride(0),
                 cache.stride(0), cache.stride(1), HEADS=heads, KV_HEADS=kv_heads, DIM=dim,
-                ROWS_PAD=_pow2(heads + kv_heads), DIM_PAD=_pow2(dim))
+                ROWS_PAD=pow2(heads + kv_heads), DIM_PAD=pow2(dim))
         return q, k
 
     @staticmethod
@@ -153,7 +150,7 @@ class GpuLayerOps:
         t, width = gate_up.shape[0], gate_up.shape[1] // 2
         gate_up = gate_up.contiguous()
         out = gate_up.new_empty(t, width)
-        block = min(_pow2(width), 1024)
+        block = min(pow2(width), 1024)
         if t:
             _kernels()["silu"][(t, -(-width // block))](gate_up, out, width, BLOCK=block)
         return out
