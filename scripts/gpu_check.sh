@@ -10,8 +10,8 @@
 #   1. nvidia-smi and what torch sees;
 #   2. the engine on GPUs: tests/engine/test_cuda_engine.py (one GPU, CUDA graphs on and off;
 #      TP/PP/EP over NCCL where enough GPUs are visible, else skipped with the count needed),
-#      the Triton kernels compiled (attention, layer ops: tests/models/test_gpu_attention.py), the CUDA
-#      IPC handoff and NIXL from GPU memory between processes
+#      the Triton kernels compiled (attention, layer ops: tests/models/test_gpu_attention.py),
+#      the CUDA IPC handoff and NIXL from GPU memory between processes
 #      (tests/kv_transfer/test_gpu_transports.py);
 #   3. NIXL over GPU memory step by step (agent, registration, metadata; bounded), and what
 #      `kv_transports: auto` offers a GPU instance here;
