@@ -156,6 +156,9 @@ class GpuLayerOps:
         return out
 
 
+OPS = GpuLayerOps()
+
+
 def ops(x: torch.Tensor) -> GpuLayerOps | None:
     """The ops for `x`, where the kernels run on its device (models.gpu_attention.supports)."""
-    return GpuLayerOps() if gpu_attention.supports(x) else None
+    return OPS if gpu_attention.supports(x) else None

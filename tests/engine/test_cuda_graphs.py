@@ -61,7 +61,7 @@ def test_replayed_steps_match_hf_and_leave_the_cache_to_real_rows(
         tiny_llama: TinyModel, monkeypatch: pytest.MonkeyPatch) -> None:
     # The layers as on a GPU: the Triton kernels between the projections (models.gpu_layer_ops:
     # norms, rotation with the cache write, SiLU x up) and reading the cache.
-    monkeypatch.setattr(kernels, "layer_ops", lambda x: gpu_layer_ops.GpuLayerOps())
+    monkeypatch.setattr(kernels, "layer_ops", lambda x: gpu_layer_ops.OPS)
     engine = tiny_llama.engine(num_kv_blocks=48)
     runner = engine.runner
     graphs = runner.graphs = EagerGraphs(runner.model, 4, 32, runner.block_size)

@@ -127,7 +127,7 @@ def test_layer_ops_match_torch(dtype: torch.dtype) -> None:
 
     g = torch.Generator().manual_seed(5)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    ops = gpu_layer_ops.GpuLayerOps()
+    ops = gpu_layer_ops.OPS
     x, delta = (torch.randn(5, 48, generator=g).to(dtype) for _ in range(2))
     norm = RMSNorm(48, 1e-6).to(dtype)
     with torch.no_grad():
