@@ -20,8 +20,8 @@ def _chunk(ids: list[int], finish_reason: str = "") -> ClientChunk:
                        [])
 
 
-def _text(response: FakeResponse, name: str) -> str:
-    return bytes(response.outputs[name].reshape(-1)[0]).decode()
+def _sent_chunk(response: FakeResponse) -> ClientChunk:
+    return ClientChunk.decode(response.outputs)
 
 
 def test_a_failure_before_any_chunk_is_a_triton_error(front: types.ModuleType) -> None:
@@ -47,10 +47,10 @@ def test_a_failure_after_a_streamed_chunk_ends_the_stream_as_data(
     assert [flags for _, flags in sender.sent] == [0, FINAL]  # nothing after the final one
     last = sender.sent[-1][0]
     assert last is not None and last.error is None
-    assert _text(last, "FINISH_REASON") == FINISH_ERROR
-    assert _text(last, "ERROR") == "no engine instance is left"
-    assert last.outputs["OUTPUT_IDS"].size == 0 and last.outputs["TOKENS"].size == 0
-    assert int(last.outputs["NUM_OUTPUT_TOKENS"].reshape(-1)[0]) == 2  # the counts so far
+    chunk = _sent_chunk(last)
+    assert (chunk.finish_reason, chunk.error) == (FINISH_ERROR, "no engine instance is left")
+    assert chunk.output_ids == [] and chunk.tokens == []
+    assert chunk.num_output_tokens == 2  # the counts so far
 
 
 def test_close_sends_the_final_flag_once(front: types.ModuleType) -> None:
