@@ -70,6 +70,10 @@ from python_backends.wire import (
 
 log = logging.getLogger(__name__)
 EXIT_GRACE_S = 10.0  # after finalize, for a stub whose calls to dead engines never end
+# How often a request's response sender is asked whether its caller cancelled (a direct caller
+# of this model; the ensemble's clients cancel through the board): a stream cancelled meanwhile
+# costs the engine at most this much more work.
+SENDER_CHECK_S = 0.2
 
 
 def error_code(kind: str) -> Any:
@@ -162,6 +166,7 @@ class ClientLink:
         self._lock = threading.Lock()
         self._clock = clock
         self._last_sent = clock()
+        self._sender_checked = -SENDER_CHECK_S  # the first check asks
 
     def attach(self, board: FlagBoard, ticket: int, leave: Callable[[], None]) -> None:
         """The request was admitted: its cancel ticket and the admission wait it holds."""
@@ -178,10 +183,19 @@ class ClientLink:
         # caller of this model cancels the sender itself. Engines see the flag. A sender is
         # never asked after its final response: Triton 2.51 has freed it (a segfault).
         if not self.cancelled and not self.closed and self.board is not None and (
-                self.board.is_cancelled(self.ticket) or self.sender.is_cancelled()):
+                self.board.is_cancelled(self.ticket) or self._sender_cancelled()):
             self.cancelled = True
             self.board.cancel(self.ticket)
         return self.cancelled
+
+    def _sender_cancelled(self) -> bool:
+        """The sender's own flag, asked at most every SENDER_CHECK_S: each ask is a round trip
+        to tritonserver, and the relay checks before every step (the board is shared memory)."""
+        now = self._clock()
+        if now - self._sender_checked < SENDER_CHECK_S:
+            return False
+        self._sender_checked = now
+        return bool(self.sender.is_cancelled())
 
     def send(self, chunk: ClientChunk, final: bool) -> None:
         self._send(response(chunk, batched=True), FINAL if final else 0)

@@ -46,11 +46,13 @@ class PostprocessingModel:
             except Exception as e:  # a bug in the front: answer it, keep serving
                 sender.send(error_response(f"postprocessing: bad chunk: {e}"), flags=FINAL)
                 continue
-            if request.is_cancelled():
+            # Asked once a chunk: each ask is a round trip to tritonserver.
+            cancelled = request.is_cancelled()
+            if cancelled:
                 # The ensemble marks this step's request when the client went away; tell the
                 # front and the engine through the cancel board (see flag_board).
                 self.boards.get(chunk.cancel_board).cancel(chunk.cancel_ticket)
-            if request.is_cancelled() or chunk.is_probe:
+            if cancelled or chunk.is_probe:
                 sender.send(flags=FINAL)
                 continue
             sender.send(response(ClientOutput(

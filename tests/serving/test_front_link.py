@@ -83,6 +83,44 @@ def test_a_sender_is_never_asked_after_its_final_response(front: types.ModuleTyp
     assert not link.check_cancelled()  # a remote call's reader looks once more
 
 
+class CountingSender(Sender):
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked = 0
+        self.cancelled = False
+
+    def is_cancelled(self) -> bool:
+        self.asked += 1
+        return self.cancelled
+
+
+class QuietBoard:
+    def __init__(self) -> None:
+        self.cancelled: list[int] = []
+
+    def is_cancelled(self, ticket: int) -> bool:
+        return False
+
+    def cancel(self, ticket: int) -> None:
+        self.cancelled.append(ticket)
+
+
+def test_the_sender_is_asked_at_most_once_per_interval(front: types.ModuleType) -> None:
+    now = [100.0]
+    sender, board = CountingSender(), QuietBoard()
+    link = front.ClientLink(sender, clock=lambda: now[0])
+    link.attach(board, 4, lambda: None)
+    assert not link.check_cancelled() and sender.asked == 1  # the first check asks
+    sender.cancelled = True  # the direct caller went away
+    for _ in range(5):  # every step of the next SENDER_CHECK_S reads only the board
+        now[0] += front.SENDER_CHECK_S / 10
+        assert not link.check_cancelled()
+    assert sender.asked == 1
+    now[0] += front.SENDER_CHECK_S
+    assert link.check_cancelled() and sender.asked == 2
+    assert board.cancelled == [4]  # the engine sees it on the board
+
+
 def test_triton_error_codes_map_to_engine_error_kinds_and_back(front: types.ModuleType) -> None:
     for code in (FakeError.INVALID_ARG, FakeError.UNAVAILABLE, FakeError.INTERNAL):
         assert front.error_code(front.error_kind(code)) == code
