@@ -377,10 +377,10 @@ class PrefillReply(Message):
 class ClientChunk(Message):
     """front -> postprocessing: what one client response needs. `tokens` is a window to
     detokenize whose first `prefix_len` ids were sent before (see detokenizer). Packed in one
-    tensor: there is one per streamed step, and each tensor of a step costs the front's stub,
-    tritonserver's ensemble and postprocessing's stub an allocation and a copy (13 tensors a
-    chunk took 0.49 core-ms of postprocessing and 0.66 of tritonserver a token at concurrency
-    8; docs/benchmarks.md)."""
+    tensor: there is one per streamed step, and each tensor of it costs the front's stub,
+    tritonserver's ensemble and postprocessing's stub an allocation and a copy (one tensor
+    instead of 13 took the serving processes' CPU per streamed token down by about 15%;
+    docs/benchmarks.md, "One tensor a chunk")."""
 
     PACKED: ClassVar[str] = "CHUNK"
     cancel_board: str = _tensor("CANCEL_BOARD", Kind.TEXT)
