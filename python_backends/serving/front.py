@@ -10,6 +10,7 @@ implementation, for groups on other servers, is front.remote.RemoteGroup).
 from __future__ import annotations
 
 import logging
+import math
 import os
 import queue
 import re
@@ -166,7 +167,7 @@ class ClientLink:
         self._lock = threading.Lock()
         self._clock = clock
         self._last_sent = clock()
-        self._sender_checked = -SENDER_CHECK_S  # the first check asks
+        self._sender_checked = -math.inf  # never asked: the first check asks
 
     def attach(self, board: FlagBoard, ticket: int, leave: Callable[[], None]) -> None:
         """The request was admitted: its cancel ticket and the admission wait it holds."""

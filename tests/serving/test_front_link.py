@@ -62,6 +62,19 @@ def test_close_sends_the_final_flag_once(front: types.ModuleType) -> None:
     assert [flags for _, flags in sender.sent] == [FINAL]
 
 
+class QuietBoard:
+    """A cancel board no one has raised a flag on; records the tickets the link cancels."""
+
+    def __init__(self) -> None:
+        self.cancelled: list[int] = []
+
+    def is_cancelled(self, ticket: int) -> bool:
+        return False
+
+    def cancel(self, ticket: int) -> None:
+        self.cancelled.append(ticket)
+
+
 class FreedSender(Sender):
     """Triton 2.51 frees a response sender with its final response: asking it is a segfault."""
 
@@ -71,13 +84,9 @@ class FreedSender(Sender):
 
 
 def test_a_sender_is_never_asked_after_its_final_response(front: types.ModuleType) -> None:
-    class Board:
-        def is_cancelled(self, ticket: int) -> bool:
-            return False
-
     sender = FreedSender()
     link = front.ClientLink(sender)
-    link.attach(Board(), 1, lambda: None)
+    link.attach(QuietBoard(), 1, lambda: None)
     assert not link.check_cancelled()
     link.send(_chunk([7], "stop"), final=True)
     assert not link.check_cancelled()  # a remote call's reader looks once more
@@ -92,17 +101,6 @@ class CountingSender(Sender):
     def is_cancelled(self) -> bool:
         self.asked += 1
         return self.cancelled
-
-
-class QuietBoard:
-    def __init__(self) -> None:
-        self.cancelled: list[int] = []
-
-    def is_cancelled(self, ticket: int) -> bool:
-        return False
-
-    def cancel(self, ticket: int) -> None:
-        self.cancelled.append(ticket)
 
 
 def test_the_sender_is_asked_at_most_once_per_interval(front: types.ModuleType) -> None:
