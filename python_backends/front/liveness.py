@@ -6,7 +6,9 @@ that sends nothing for a while (waiting for its first token) would not learn it,
 `IdleProber` sends each such request a probe now and then: an empty chunk, which the decoupled
 postprocessing ends with no response (the client sees nothing) after raising the request's
 cancel flag if its client is gone. (A `/generate` client's disconnect stays unseen: Triton's HTTP
-front-end notices a closed connection only when it writes; docs/platform.md.)
+front-end notices a closed connection only when it writes; docs/platform.md.) Whether a direct
+caller of the front (the gateway) is gone, its request's sender tells before each probe; such a
+caller drops the probes it gets.
 
 Towards the engine: Triton 2.51 never ends the calls an engine stub held when it died. Each
 engine records its pid on the front's board when a request reaches it (flag_board.hold), and

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from python_backends.gateway.config import (
     DEFAULT_PORT,
+    PIPELINES,
     BackendConfig,
     ConfigError,
     GatewayConfig,
@@ -28,6 +29,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="a Triton server, without --config (repeatable)")
     p.add_argument("--engine", type=Path, help="engine directory (its tokenizer)")
     p.add_argument("--model", default="smollm2", help="the model name clients use (smollm2)")
+    p.add_argument("--pipeline", choices=PIPELINES,
+                   help="how requests enter a server (the config's `pipeline`; default front)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=DEFAULT_PORT)
     p.add_argument("--log-level", default="info")
@@ -50,6 +53,8 @@ def load_config(args: argparse.Namespace) -> GatewayConfig:
                                api_keys={key: DEFAULT_TENANT} if key else {})
     if args.engine:
         config = dataclasses.replace(config, engine_dir=args.engine)
+    if args.pipeline:
+        config = dataclasses.replace(config, pipeline=args.pipeline)
     return config
 
 

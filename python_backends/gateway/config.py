@@ -84,6 +84,10 @@ class RoutingConfig:
 
 
 POLICIES = ("least_loaded", "prefix_aware")
+# How a request enters a server (gateway.triton): "front" tokenizes in the server's
+# preprocessing, calls its front directly and detokenizes here; "ensemble" goes through the
+# ensemble as any Triton client does (one more hop per streamed chunk).
+PIPELINES = ("front", "ensemble")
 
 
 @dataclass(frozen=True)
@@ -101,8 +105,11 @@ class GatewayConfig:
     migration_limit: int = 3  # times a stream cut mid-way moves to another server
     request_timeout_s: float = 600.0
     routing: RoutingConfig = field(default_factory=RoutingConfig)
+    pipeline: str = "front"  # one of PIPELINES
 
     def __post_init__(self) -> None:
+        if self.pipeline not in PIPELINES:
+            raise ConfigError(f"pipeline: one of {PIPELINES}, got {self.pipeline!r}")
         if not self.model:  # frozen: set once, here
             object.__setattr__(self, "model", served_model_name(self.engine_dir))
         if not self.backends:
@@ -117,7 +124,7 @@ class GatewayConfig:
     def from_dict(cls, raw: dict[str, Any]) -> GatewayConfig:
         known = {"backends", "model", "engine_dir", "api_keys", "rate_limits", "routing",
                  "health_interval_s", "unhealthy_after_s", "max_attempts", "migration_limit",
-                 "request_timeout_s"}
+                 "request_timeout_s", "pipeline"}
         unknown = sorted(set(raw) - known)
         if unknown:
             raise ConfigError(f"unknown field(s) {unknown}; known: {sorted(known)}")
@@ -134,7 +141,8 @@ class GatewayConfig:
             raise ConfigError(f"rate_limits: {e}") from None
         extra: dict[str, Any] = {
             k: raw[k] for k in ("model", "health_interval_s", "unhealthy_after_s",
-                                "max_attempts", "migration_limit", "request_timeout_s")
+                                "max_attempts", "migration_limit", "request_timeout_s",
+                                "pipeline")
             if k in raw}
         if raw.get("engine_dir"):
             extra["engine_dir"] = Path(raw["engine_dir"])

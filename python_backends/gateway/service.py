@@ -208,7 +208,8 @@ class Gateway:
                 self.metrics.retries.labels(backend=backend.name).inc()
             backend.in_flight += 1
             rest = stream(backend.client, inputs, request.parameters, backend.headers,
-                          self.config.request_timeout_s, backend.breaker)
+                          self.config.request_timeout_s, backend.breaker,
+                          self.tokenizer if self.config.pipeline == "front" else None)
             try:
                 first = await anext(rest)
             except ApiError as e:

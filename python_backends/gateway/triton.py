@@ -1,6 +1,14 @@
-"""One request to a Triton server's `ensemble` over gRPC streaming, as an async iterator of
-`Piece`s. Closing the iterator early (the client went away, a stop string matched) cancels
-the gRPC stream, which ends the request inside the server too (its engine frees the KV).
+"""One request to a Triton server over gRPC streaming, as an async iterator of `Piece`s.
+Closing the iterator early (the client went away, a stop string matched) cancels the gRPC
+stream, which ends the request inside the server too (its engine frees the KV).
+
+Two ways in, the same pieces out. Through the `ensemble` (preprocessing, front, postprocessing),
+as any Triton client would. Or, with the gateway's tokenizer at hand (the default; the gateway
+config's `pipeline`), past it: `preprocessing` validates and tokenizes the request in one unary
+call, the `front` is called directly with the result, and its chunks are detokenized here. Each
+streamed chunk then skips a hop through tritonserver and postprocessing's stub (about a fifth of
+the serving processes' CPU per token; docs/benchmarks.md), and a direct caller's cancel reaches
+the front itself (docs/platform.md).
 
 The OpenAI endpoints always ask the ensemble to stream (its `stream` input): the gateway
 shapes non-streaming answers itself, and only a stream lets it stop early.
@@ -16,9 +24,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,10 +35,14 @@ import grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import TRITON_RESERVED_REQUEST_PARAMS, TRITON_RESERVED_REQUEST_PARAMS_PREFIX
 
+from python_backends.detokenizer import incremental_text
 from python_backends.gateway.errors import ApiError, from_triton
-from python_backends.wire import CLIENT_INPUTS, FINISH_ERROR, Kind
+from python_backends.wire import CLIENT_INPUTS, FINISH_ERROR, ClientChunk, Kind, TokenizedRequest
 
-ENSEMBLE = "ensemble"
+ENSEMBLE, PREPROCESSING, FRONT = "ensemble", "preprocessing", "front"
+# Unary errors that say the server (not the request) failed: worth another server.
+_SERVER_DOWN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                grpc.StatusCode.CANCELLED)
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 UINT64_MAX = 2**64 - 1
 MAX_MESSAGE = 2**31 - 1  # what tritonclient allows a message both ways
@@ -74,6 +87,13 @@ class TritonClient:
                                               metadata=_metadata(headers), timeout=timeout_s)
         return {k: v.string_value for k, v in answer.config.parameters.items()}
 
+    async def infer(self, request: service_pb2.ModelInferRequest,
+                    headers: dict[str, str] | None, timeout_s: float
+                    ) -> service_pb2.ModelInferResponse:
+        """One unary ModelInfer call."""
+        return await self._stub.ModelInfer(request, metadata=_metadata(headers),
+                                           timeout=timeout_s)
+
     def open_stream(self, headers: dict[str, str] | None, timeout_s: float) -> Any:
         """A ModelStreamInfer call (grpc.aio): `await write(request)`, then read its
         responses."""
@@ -87,13 +107,13 @@ def _metadata(headers: dict[str, str] | None) -> tuple[tuple[str, str], ...] | N
     return tuple(headers.items()) if headers else None
 
 
-def ensemble_request(values: dict[str, Any],
-                     parameters: dict[str, Any]) -> service_pb2.ModelInferRequest:
-    """The ensemble's request: one input tensor (batch of one) per name -> value, typed by the
-    wire's declaration of each input (wire.CLIENT_INPUTS), and the request parameters. An
-    unknown input, a value of the wrong type and a parameter Triton reserves or cannot carry
-    are refused by name."""
-    request = service_pb2.ModelInferRequest(model_name=ENSEMBLE)
+def ensemble_request(values: dict[str, Any], parameters: dict[str, Any],
+                     model: str = ENSEMBLE) -> service_pb2.ModelInferRequest:
+    """The ensemble's request (or preprocessing's: the same inputs): one input tensor (batch of
+    one) per name -> value, typed by the wire's declaration of each input
+    (wire.CLIENT_INPUTS), and the request parameters. An unknown input, a value of the wrong
+    type and a parameter Triton reserves or cannot carry are refused by name."""
+    request = service_pb2.ModelInferRequest(model_name=model)
     for name, value in values.items():
         spec = CLIENT_INPUTS.get(name)
         if spec is None:
@@ -212,11 +232,18 @@ class Breaker:
 
 async def stream(client: TritonClient, inputs: dict[str, Any], parameters: dict[str, Any],
                  headers: dict[str, str] | None, timeout_s: float,
-                 breaker: Breaker | None = None) -> AsyncIterator[Piece]:
-    """The ensemble's responses to one request. Raises ApiError when the server refuses or
-    fails it (a stream that fails after its first piece ends with finish_reason "error"), or
-    503 when `breaker` breaks it."""
-    request = ensemble_request(inputs, parameters)
+                 breaker: Breaker | None = None, tokenizer: Any = None
+                 ) -> AsyncIterator[Piece]:
+    """The responses to one request: the ensemble's, or with `tokenizer` (the server's) the
+    front's, detokenized here. Raises ApiError when the server refuses or fails it (a stream
+    that fails after its first piece ends with finish_reason "error"), or 503 when `breaker`
+    breaks it."""
+    read: Callable[[service_pb2.ModelInferResponse], Piece | None] = read_piece
+    if tokenizer is None:
+        request = ensemble_request(inputs, parameters)
+    else:
+        request = await _front_request(client, inputs, parameters, headers, timeout_s)
+        read = functools.partial(read_chunk, tokenizer)
     call = client.open_stream(headers, timeout_s)  # our side stays open until the answer ends
     breaker = Breaker() if breaker is None else breaker
     breaker.add(call)
@@ -226,7 +253,9 @@ async def stream(client: TritonClient, inputs: dict[str, Any], parameters: dict[
             breaker.heard(call)
             if response.error_message:
                 raise from_triton(response.error_message)
-            piece = read_piece(response.infer_response)
+            piece = read(response.infer_response)
+            if piece is None:
+                continue  # the front's probe for a client gone away: a direct call needs none
             if piece.finish_reason == FINISH_ERROR:
                 raise from_triton(piece.error)
             yield piece
@@ -244,6 +273,30 @@ async def stream(client: TritonClient, inputs: dict[str, Any], parameters: dict[
         breaker.discard(call)
         with contextlib.suppress(Exception):
             call.cancel()
+
+
+async def _front_request(client: TritonClient, inputs: dict[str, Any],
+                         parameters: dict[str, Any], headers: dict[str, str] | None,
+                         timeout_s: float) -> service_pb2.ModelInferRequest:
+    """The front's request: the ensemble inputs validated and tokenized by the server's
+    preprocessing (its limits, its tokenizer, its fault-injection switch), passed on as they
+    came back. A refusal is the same ApiError the ensemble's would be."""
+    try:
+        answer = await client.infer(ensemble_request(inputs, parameters, PREPROCESSING),
+                                    headers, timeout_s)
+    except grpc.aio.AioRpcError as e:
+        if e.code() in _SERVER_DOWN:
+            raise ApiError(503, f"the server failed: {e.code().name}: {e.details()}") from None
+        raise from_triton(e.details() or e.code().name) from None
+    (name,) = TokenizedRequest.names()
+    request = service_pb2.ModelInferRequest(model_name=FRONT)
+    for output, raw in zip(answer.outputs, answer.raw_output_contents, strict=False):
+        if output.name == name:
+            request.inputs.add(name=name, datatype=output.datatype, shape=output.shape)
+            request.raw_input_contents.append(raw)
+    if not request.inputs:
+        raise ApiError(500, f"preprocessing answered without {name}")
+    return request
 
 
 # A response's outputs: name -> its raw bytes.
@@ -265,6 +318,30 @@ def read_piece(response: service_pb2.ModelInferResponse) -> Piece:
         error=_text(outputs, "error_message"),
         top_ids=_ints(outputs, "output_top_ids"),
         top_logprobs=_floats(outputs, "output_top_log_probs"),
+    )
+
+
+def read_chunk(tokenizer: Any, response: service_pb2.ModelInferResponse) -> Piece | None:
+    """One response of the front (a packed wire.ClientChunk) as the ensemble's postprocessing
+    would have answered it: its tokens' text; None for a probe, which reports nothing."""
+    name = ClientChunk.PACKED
+    raw = next((raw for o, raw in zip(response.outputs, response.raw_output_contents,
+                                      strict=False) if o.name == name), None)
+    if raw is None:
+        raise ApiError(500, f"the front answered without {name}")
+    chunk = ClientChunk.unpack(raw)
+    if chunk.is_probe:
+        return None
+    return Piece(
+        text=incremental_text(tokenizer, chunk.tokens, chunk.prefix_len),
+        token_ids=chunk.output_ids,
+        logprobs=chunk.output_log_probs,
+        finish_reason=chunk.finish_reason,
+        num_input_tokens=chunk.num_input_tokens,
+        num_output_tokens=chunk.num_output_tokens,
+        error=chunk.error,
+        top_ids=chunk.top_ids,
+        top_logprobs=chunk.top_log_probs,
     )
 
 

@@ -72,8 +72,8 @@ from python_backends.wire import (
 log = logging.getLogger(__name__)
 EXIT_GRACE_S = 10.0  # after finalize, for a stub whose calls to dead engines never end
 # How often a request's response sender is asked whether its caller cancelled (a direct caller
-# of this model; the ensemble's clients cancel through the board): a stream cancelled meanwhile
-# costs the engine at most this much more work.
+# of this model, such as the gateway; the ensemble's clients cancel through the board): a stream
+# cancelled meanwhile costs the engine at most this much more work.
 SENDER_CHECK_S = 0.2
 
 
@@ -218,7 +218,9 @@ class ClientLink:
         return now - self._last_sent
 
     def probe(self) -> None:
-        if self.board is not None:
+        # A direct caller that went away (the gateway's default pipeline) is found here, by its
+        # sender; an ensemble client by postprocessing, which ends the probe.
+        if self.board is not None and not self.check_cancelled():
             self._send(response(ClientChunk.probe(self.board.name, self.ticket), batched=True), 0)
 
     def _send(self, triton_response: Any, flags: int) -> None:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from python_backends.gateway.__main__ import load_config, parse_args
 from python_backends.gateway.config import ConfigError, GatewayConfig
 from python_backends.gateway.errors import from_triton
 
@@ -57,6 +58,8 @@ def test_a_config_file_with_two_servers(tmp_path: Path) -> None:
       "routing": {"canary_fraction": 2}}, "routing.canary_fraction"),
     ({"backends": [{"name": "a", "grpc": "h:1", "metrics": "u"}],
       "routing": {"sticky": True}}, "routing"),
+    ({"backends": [{"name": "a", "grpc": "h:1", "metrics": "u"}], "pipeline": "bls"},
+     "pipeline"),
 ])
 def test_bad_configs_name_the_field(raw: dict[str, object], field: str) -> None:
     with pytest.raises(ConfigError, match=field):
@@ -87,3 +90,11 @@ def test_the_model_name_defaults_to_the_engines(tmp_path: Path) -> None:
     (engine / "config.json").write_text(json.dumps({"model_name": "Qwen2.5-0.5B-Instruct"}))
     assert GatewayConfig.from_dict(raw).model == "Qwen2.5-0.5B-Instruct"
     assert GatewayConfig.from_dict({**raw, "model": "mine"}).model == "mine"
+
+
+def test_the_command_line_picks_the_pipeline() -> None:
+    backend = ["--backend", "127.0.0.1:8001,http://127.0.0.1:8002/metrics"]
+    assert load_config(parse_args(backend)).pipeline == "front"
+    assert load_config(parse_args([*backend, "--pipeline", "ensemble"])).pipeline == "ensemble"
+    with pytest.raises(SystemExit):
+        parse_args([*backend, "--pipeline", "bls"])

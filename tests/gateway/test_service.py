@@ -41,7 +41,8 @@ def _fake_servers(monkeypatch: pytest.MonkeyPatch, errors: dict[str, ApiError]) 
     tried: list[str] = []
 
     async def fake_stream(client: FakeClient, inputs: Any, parameters: Any, headers: Any,
-                          timeout_s: float, breaker: Any = None) -> AsyncIterator[Piece]:
+                          timeout_s: float, breaker: Any = None,
+                          tokenizer: Any = None) -> AsyncIterator[Piece]:
         name = client.name
         tried.append(name)
         if name in errors:
@@ -125,7 +126,7 @@ def _scripted(monkeypatch: pytest.MonkeyPatch, scripts: dict[str, list[Piece | A
 
     async def fake_stream(client: FakeClient, inputs: dict[str, Any], parameters: Any,
                           headers: Any, timeout_s: float,
-                          breaker: Any = None) -> AsyncIterator[Piece]:
+                          breaker: Any = None, tokenizer: Any = None) -> AsyncIterator[Piece]:
         sent.append((client.name, inputs))
         for step in scripts[client.name]:
             if isinstance(step, ApiError):
@@ -185,7 +186,7 @@ def test_a_stream_its_server_lost_but_still_serves_may_go_back_to_it(
 
     async def fake_stream(client: FakeClient, inputs: dict[str, Any], parameters: Any,
                           headers: Any, timeout_s: float,
-                          breaker: Any = None) -> AsyncIterator[Piece]:
+                          breaker: Any = None, tokenizer: Any = None) -> AsyncIterator[Piece]:
         calls.append((client.name, inputs))
         for step in replies[client.name].pop(0):
             if isinstance(step, ApiError):

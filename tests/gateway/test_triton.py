@@ -8,6 +8,7 @@ import asyncio
 import time
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 from tritonclient.grpc import InferResult, service_pb2
@@ -24,6 +25,7 @@ from python_backends.gateway.triton import (
     read_piece,
     stream,
 )
+from python_backends.wire import ClientChunk
 
 
 def test_inputs_take_the_ensembles_types_and_shapes() -> None:
@@ -183,6 +185,109 @@ def test_a_reader_that_goes_away_is_cancelled_not_broken() -> None:
         assert len(breaker) == 0
 
     asyncio.run(run())
+
+
+class Tokens:
+    """A tokenizer whose every id is one character (ord)."""
+
+    def decode(self, ids: list[int], **kwargs: Any) -> str:
+        return "".join(map(chr, ids))
+
+
+def _chunk(tokens: list[int], prefix_len: int, finish_reason: str = "",
+           error: str = "") -> service_pb2.ModelStreamInferResponse:
+    chunk = ClientChunk("board", 3, tokens, prefix_len, tokens[prefix_len:], finish_reason, 4,
+                        len(tokens), -1.0, [-0.5] * (len(tokens) - prefix_len), error, [], [])
+    answer = service_pb2.ModelStreamInferResponse()
+    answer.infer_response.outputs.add(name="CHUNK", datatype="UINT8")
+    answer.infer_response.raw_output_contents.append(chunk.pack())
+    return answer
+
+
+class ScriptedStream(SilentStream):
+    """A front's stream answering the responses it is given, then silent."""
+
+    def __init__(self, responses: list[Any]) -> None:
+        super().__init__()
+        self.responses = responses
+        self.written: list[Any] = []
+
+    async def write(self, request: Any) -> None:
+        self.written.append(request)
+
+    async def __anext__(self) -> Any:
+        if self.responses:
+            return self.responses.pop(0)
+        return await super().__anext__()
+
+
+class FrontClient:
+    """A server whose preprocessing answers `tokenized` (or fails with `error`) and whose front
+    answers `responses`."""
+
+    def __init__(self, responses: list[Any], error: Exception | None = None) -> None:
+        self.inferred: list[Any] = []
+        self.error = error
+        self.stream = ScriptedStream(responses)
+
+    async def infer(self, request: Any, headers: Any, timeout_s: float) -> Any:
+        self.inferred.append(request)
+        if self.error is not None:
+            raise self.error
+        answer = service_pb2.ModelInferResponse()
+        answer.outputs.add(name="REQUEST", datatype="BYTES", shape=[1, 1])
+        answer.raw_output_contents.append(serialize_byte_tensor(
+            np.array([b'{"prompt": "tokenized"}'], dtype=np.object_)).item())
+        return answer
+
+    def open_stream(self, headers: Any, timeout_s: float) -> ScriptedStream:
+        return self.stream
+
+
+def _through_front(client: FrontClient) -> list[Piece]:
+    async def read() -> list[Piece]:
+        return [p async for p in stream(client, {"text_input": "Hi", "max_tokens": 4},  # type: ignore[arg-type]
+                                        {"tenant": "acme"}, None, 60.0, tokenizer=Tokens())]
+    return asyncio.run(read())
+
+
+def test_the_front_pipeline_passes_preprocessing_on_and_detokenizes_its_chunks() -> None:
+    probe = ClientChunk.probe("board", 3)
+    answer = service_pb2.ModelStreamInferResponse()
+    answer.infer_response.outputs.add(name="CHUNK", datatype="UINT8")
+    answer.infer_response.raw_output_contents.append(probe.pack())
+    client = FrontClient([_chunk([72, 105], 0), answer, _chunk([72, 105, 33, 33], 2, "stop")])
+    pieces = _through_front(client)
+    [preprocess] = client.inferred
+    assert preprocess.model_name == "preprocessing"
+    assert {t.name for t in preprocess.inputs} == {"text_input", "max_tokens"}
+    assert preprocess.parameters["tenant"].string_param == "acme"
+    [request] = client.stream.written
+    assert request.model_name == "front" and [t.name for t in request.inputs] == ["REQUEST"]
+    assert request.raw_input_contents[0].endswith(b'{"prompt": "tokenized"}')
+    assert [p.text for p in pieces] == ["Hi", "!!"]  # the probe reads as nothing
+    assert pieces[1] == Piece(text="!!", token_ids=[33, 33], logprobs=[-0.5, -0.5],
+                              finish_reason="stop", num_input_tokens=4, num_output_tokens=4)
+
+
+def test_the_front_pipeline_raises_a_failed_stream_and_a_refused_request() -> None:
+    with pytest.raises(ApiError) as e:
+        _through_front(FrontClient([_chunk([72], 0), _chunk([], 0, "error", "engine lost")]))
+    assert e.value.status == 500 and "engine lost" in e.value.message
+
+    class Refused(grpc.aio.AioRpcError):
+        def __init__(self, code: grpc.StatusCode, details: str) -> None:
+            super().__init__(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+    refused = FrontClient([], Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                                      "invalid input 'max_tokens': must be >= 1"))
+    with pytest.raises(ApiError) as e:
+        _through_front(refused)
+    assert (e.value.status, e.value.message) == (400, "invalid input 'max_tokens': must be >= 1")
+    assert not refused.stream.written  # no front call for a refused request
+    with pytest.raises(ApiError) as e:
+        _through_front(FrontClient([], Refused(grpc.StatusCode.UNAVAILABLE, "connection reset")))
+    assert e.value.retryable
 
 
 class FakeCall:

@@ -65,6 +65,8 @@ def test_close_sends_the_final_flag_once(front: types.ModuleType) -> None:
 class QuietBoard:
     """A cancel board no one has raised a flag on; records the tickets the link cancels."""
 
+    name = "quiet-board"
+
     def __init__(self) -> None:
         self.cancelled: list[int] = []
 
@@ -117,6 +119,24 @@ def test_the_sender_is_asked_at_most_once_per_interval(front: types.ModuleType) 
     now[0] += front.SENDER_CHECK_S
     assert link.check_cancelled() and sender.asked == 2
     assert board.cancelled == [4]  # the engine sees it on the board
+
+
+def test_a_probe_asks_the_sender_and_goes_only_to_a_caller_still_there(
+    front: types.ModuleType,
+) -> None:
+    now = [100.0]
+    sender, board = CountingSender(), QuietBoard()
+    link = front.ClientLink(sender, clock=lambda: now[0])
+    link.attach(board, 6, lambda: None)
+    link.probe()
+    assert sender.asked == 1 and [flags for _, flags in sender.sent] == [0]
+    probe = sender.sent[0][0]
+    assert probe is not None and _sent_chunk(probe).is_probe
+    sender.cancelled = True  # a direct caller (the gateway) went away while its request waited
+    now[0] += front.SENDER_CHECK_S
+    link.probe()
+    assert sender.asked == 2 and len(sender.sent) == 1  # no probe to a caller gone
+    assert board.cancelled == [6] and link.cancelled
 
 
 def test_triton_error_codes_map_to_engine_error_kinds_and_back(front: types.ModuleType) -> None:
