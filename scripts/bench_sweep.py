@@ -60,6 +60,7 @@ from python_backends.bench.breakdown import (
 )
 from python_backends.bench.vllm_peer import VllmServer, bench_serve, ensure_env, export_checkpoint
 from python_backends.config import DEFAULT_ENGINE_DIR, PROJECT_ROOT
+from python_backends.gateway.config import PIPELINES
 from python_backends.metrics_text import histogram_mean, metric_sum, scrape
 from python_backends.models import cpu_isa
 from python_backends.net import free_port
@@ -180,6 +181,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--gateway-url", default="http://127.0.0.1:9000",
                     help="with --client vllm or --dataset chat: our gateway (OpenAI API)")
     ap.add_argument("--model", default="smollm2", help="the model name our gateway serves")
+    ap.add_argument("--gateway-pipeline", choices=PIPELINES, default="front",
+                    help="with --start-server: how the gateway enters our server (docs/gateway.md)")
     ap.add_argument("--pace-hz", type=float, default=PACE_HZ,
                     help="how often a second aiperf looks for a free concurrency slot (a constant "
                          "request rate capped by the concurrency); 0: aiperf's plain concurrency "
@@ -328,7 +331,8 @@ def _our_openai(args: argparse.Namespace) -> Iterator[tuple[str, Ours]]:
         server.wait_ready(progress=True)
         port = free_port()
         gateway = launch_gateway(["--backend", f"127.0.0.1:{opts.grpc_port},{opts.metrics_url}",
-                                  "--engine", str(args.engine), "--model", args.model],
+                                  "--engine", str(args.engine), "--model", args.model,
+                                  "--pipeline", args.gateway_pipeline],
                                  "127.0.0.1", port,
                                  log=Path("/tmp/bench-sweep-gateway.log"))
         try:
