@@ -375,12 +375,12 @@ class PrefillReply(Message):
 
 @dataclass(frozen=True)
 class ClientChunk(Message):
-    """front -> postprocessing: what one client response needs. `tokens` is a window to
-    detokenize whose first `prefix_len` ids were sent before (see detokenizer). Packed in one
-    tensor: there is one per streamed step, and each tensor of it costs the front's stub,
-    tritonserver's ensemble and postprocessing's stub an allocation and a copy (one tensor
-    instead of 13 took the serving processes' CPU per streamed token down by about 15%;
-    docs/benchmarks.md, "One tensor a chunk")."""
+    """front -> postprocessing (or the gateway, calling the front itself): what one client
+    response needs. `tokens` is a window to detokenize whose first `prefix_len` ids were sent
+    before (see detokenizer). Packed in one tensor: there is one per streamed step, and each
+    tensor of it costs the front's stub, tritonserver's ensemble and postprocessing's stub an
+    allocation and a copy (one tensor instead of 13 took the serving processes' CPU per
+    streamed token down by about 15%; docs/benchmarks.md, "One tensor a chunk")."""
 
     PACKED: ClassVar[str] = "CHUNK"
     cancel_board: str = _tensor("CANCEL_BOARD", Kind.TEXT)
@@ -417,10 +417,26 @@ class ClientChunk(Message):
     def is_probe(self) -> bool:
         return not self.tokens and not self.output_ids and not self.finish_reason
 
+    def output(self, text: str) -> ClientOutput:
+        """What the client gets for this chunk, `text` being its tokens' (detokenizer)."""
+        return ClientOutput(
+            text_output=text,
+            finish_reason=self.finish_reason,
+            num_input_tokens=self.num_input_tokens,
+            num_output_tokens=self.num_output_tokens,
+            cum_log_probs=self.cum_log_prob,
+            output_log_probs=self.output_log_probs,
+            output_ids=self.output_ids,
+            error_message=self.error,
+            output_top_ids=self.top_ids,
+            output_top_log_probs=self.top_log_probs,
+        )
+
 
 @dataclass(frozen=True)
 class ClientOutput(Message):
-    """postprocessing -> the client: the ensemble's outputs (the Triton TensorRT-LLM backend's
+    """postprocessing (or the gateway, calling the front itself) -> the client: the ensemble's
+    outputs (the Triton TensorRT-LLM backend's
     names; declared with dims [-1], as that backend's are)."""
 
     text_output: str = _tensor("text_output", Kind.TEXT, variable=True)

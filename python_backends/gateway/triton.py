@@ -6,9 +6,9 @@ Two ways in, the same pieces out. Through the `ensemble` (preprocessing, front, 
 as any Triton client would. Or, with the gateway's tokenizer at hand (the default; the gateway
 config's `pipeline`), past it: `preprocessing` validates and tokenizes the request in one unary
 call, the `front` is called directly with the result, and its chunks are detokenized here. Each
-streamed chunk then skips a hop through tritonserver and postprocessing's stub (about a fifth of
-the serving processes' CPU per token; docs/benchmarks.md), and a direct caller's cancel reaches
-the front itself (docs/platform.md).
+streamed chunk then skips a hop through tritonserver and postprocessing's stub (half of what
+tritonserver, the stubs and the gateway took per token; docs/benchmarks.md, "the gateway past
+the ensemble"), and a direct caller's cancel reaches the front itself (docs/platform.md).
 
 The OpenAI endpoints always ask the ensemble to stream (its `stream` input): the gateway
 shapes non-streaming answers itself, and only a stream lets it stop early.
@@ -37,7 +37,14 @@ from tritonclient.utils import TRITON_RESERVED_REQUEST_PARAMS, TRITON_RESERVED_R
 
 from python_backends.detokenizer import incremental_text
 from python_backends.gateway.errors import ApiError, from_triton
-from python_backends.wire import CLIENT_INPUTS, FINISH_ERROR, ClientChunk, Kind, TokenizedRequest
+from python_backends.wire import (
+    CLIENT_INPUTS,
+    FINISH_ERROR,
+    ClientChunk,
+    ClientOutput,
+    Kind,
+    TokenizedRequest,
+)
 
 ENSEMBLE, PREPROCESSING, FRONT = "ensemble", "preprocessing", "front"
 # Unary errors that say the server (not the request) failed: worth another server.
@@ -63,6 +70,15 @@ class Piece:
     # with top_log_probs k: each token's k likeliest alternatives, token by token
     top_ids: list[int] = field(default_factory=list)
     top_logprobs: list[float] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, output: ClientOutput) -> Piece:
+        """The piece the ensemble answers with `output`'s tensors."""
+        return cls(text=output.text_output, token_ids=output.output_ids,
+                   logprobs=output.output_log_probs, finish_reason=output.finish_reason,
+                   num_input_tokens=output.num_input_tokens,
+                   num_output_tokens=output.num_output_tokens, error=output.error_message,
+                   top_ids=output.output_top_ids, top_logprobs=output.output_top_log_probs)
 
 
 class TritonClient:
@@ -332,17 +348,7 @@ def read_chunk(tokenizer: Any, response: service_pb2.ModelInferResponse) -> Piec
     chunk = ClientChunk.unpack(raw)
     if chunk.is_probe:
         return None
-    return Piece(
-        text=incremental_text(tokenizer, chunk.tokens, chunk.prefix_len),
-        token_ids=chunk.output_ids,
-        logprobs=chunk.output_log_probs,
-        finish_reason=chunk.finish_reason,
-        num_input_tokens=chunk.num_input_tokens,
-        num_output_tokens=chunk.num_output_tokens,
-        error=chunk.error,
-        top_ids=chunk.top_ids,
-        top_logprobs=chunk.top_log_probs,
-    )
+    return Piece.of(chunk.output(incremental_text(tokenizer, chunk.tokens, chunk.prefix_len)))
 
 
 def _ints(outputs: Outputs, name: str) -> list[int]:

@@ -20,7 +20,7 @@ from python_backends.serving.common import (
     response,
 )
 from python_backends.serving.options import TokenizerOptions
-from python_backends.wire import ClientChunk, ClientOutput
+from python_backends.wire import ClientChunk
 
 
 class PostprocessingModel:
@@ -55,16 +55,6 @@ class PostprocessingModel:
             if cancelled or chunk.is_probe:
                 sender.send(flags=FINAL)
                 continue
-            sender.send(response(ClientOutput(
-                text_output=incremental_text(self.tokenizer, chunk.tokens, chunk.prefix_len),
-                finish_reason=chunk.finish_reason,
-                num_input_tokens=chunk.num_input_tokens,
-                num_output_tokens=chunk.num_output_tokens,
-                cum_log_probs=chunk.cum_log_prob,
-                output_log_probs=chunk.output_log_probs,
-                output_ids=chunk.output_ids,
-                error_message=chunk.error,
-                output_top_ids=chunk.top_ids,
-                output_top_log_probs=chunk.top_log_probs,
-            ), batched=True), flags=FINAL)
+            text = incremental_text(self.tokenizer, chunk.tokens, chunk.prefix_len)
+            sender.send(response(chunk.output(text), batched=True), flags=FINAL)
         return None
