@@ -183,6 +183,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", default="smollm2", help="the model name our gateway serves")
     ap.add_argument("--gateway-pipeline", choices=PIPELINES, default="front",
                     help="with --start-server: how the gateway enters our server (docs/gateway.md)")
+    ap.add_argument("--synthetic-endpoint", choices=("ensemble", "gateway"), default="ensemble",
+                    help="aiperf's synthetic workload to our Triton generate_stream (ensemble) or "
+                         "to our gateway's /v1/completions with ignore_eos, as the peer's")
     ap.add_argument("--pace-hz", type=float, default=PACE_HZ,
                     help="how often a second aiperf looks for a free concurrency slot (a constant "
                          "request rate capped by the concurrency); 0: aiperf's plain concurrency "
@@ -229,7 +232,7 @@ def _measure(args: argparse.Namespace, aiperf: str, target: Target, c: int, tmp:
         raise SystemExit(str(e)) from e
     row = row_of(target.name, c, result)
     row.update(client=AIPERF, pacing=f"{args.pace_hz} Hz" if args.pace_hz else "unpaced",
-               dataset=args.dataset)
+               dataset=args.dataset, endpoint=target.endpoint)
     row["aiperf_pace_hz"] = args.pace_hz
     row["output_tokens"] = round(n * result.get("output_sequence_length", {}).get("avg", 0))
     print(f"[sweep]   {row['output_tokens_per_s']:.1f} tok/s ({row['output_tokens']} tokens), "
@@ -391,6 +394,9 @@ def main(argv: list[str] | None = None) -> int:
             url, server = stack.enter_context(_our_openai(args))
             ours = Target.openai(url, args.model, "chat", name="ours", ignore_eos=False,
                                  greedy=True)
+        elif args.synthetic_endpoint == "gateway":  # our gateway's completions, as the peer's
+            url, server = stack.enter_context(_our_openai(args))
+            ours = Target.openai(url, args.model, "completions", name="ours")
         else:  # the ensemble's stream, the end id ignored
             url, metrics_url = stack.enter_context(server_for(
                 args.start_server, args.url, args.metrics_url, args.engine,

@@ -53,6 +53,13 @@ class Target:
     model: str
     endpoint_args: tuple[str, ...]
 
+    @property
+    def endpoint(self) -> str:
+        """What aiperf sends requests to, for the result rows: the custom path, else the
+        endpoint type (completions, chat)."""
+        flags = dict(zip(self.endpoint_args[::2], self.endpoint_args[1::2], strict=False))
+        return flags.get("--custom-endpoint") or flags.get("--endpoint-type", "")
+
     @classmethod
     def ours(cls, url: str, workdir: Path, name: str = "triton-llm") -> Target:
         template = workdir / "aiperf-template.json"

@@ -50,3 +50,9 @@ def test_a_prompt_file_replaces_the_random_prompts() -> None:
 def test_a_greedy_chat_target_asks_for_temperature_zero_and_keeps_the_end_token() -> None:
     args = Target.openai("http://h", "m", "chat", ignore_eos=False, greedy=True).endpoint_args
     assert args == ("--endpoint-type", "chat", "--extra-inputs", "temperature:0")
+
+
+def test_a_target_names_its_endpoint_for_the_rows(tmp_path: Path) -> None:
+    assert TARGET.endpoint == "completions"
+    assert Target.openai("http://h", "m", "chat", ignore_eos=False).endpoint == "chat"
+    assert Target.ours("http://h", tmp_path).endpoint == "/v2/models/ensemble/generate_stream"
