@@ -218,21 +218,31 @@ class ClientLink:
         return now - self._last_sent
 
     def probe(self) -> None:
-        # A direct caller that went away (the gateway's default pipeline) is found here, by its
-        # sender; an ensemble client by postprocessing, which ends the probe.
-        if self.board is not None and not self.check_cancelled():
-            self._send(response(ClientChunk.probe(self.board.name, self.ticket), batched=True), 0)
+        """From the prober's thread. A direct caller that went away (the gateway) is found here,
+        by its sender, asked under the lock so that the request's own thread cannot send the
+        final response (which frees the sender) meanwhile; an ensemble client is found by
+        postprocessing, which ends the probe."""
+        if self.board is None:
+            return
+        with self._lock:
+            if self.closed or self.check_cancelled():
+                return
+            self._send_locked(
+                response(ClientChunk.probe(self.board.name, self.ticket), batched=True), 0)
 
     def _send(self, triton_response: Any, flags: int) -> None:
         with self._lock:
-            if self.closed:
-                return
-            if triton_response is None:
-                self.sender.send(flags=flags)
-            else:
-                self.sender.send(triton_response, flags=flags)
-            self._last_sent = self._clock()
-            self.closed = flags == FINAL
+            self._send_locked(triton_response, flags)
+
+    def _send_locked(self, triton_response: Any, flags: int) -> None:
+        if self.closed:
+            return
+        if triton_response is None:
+            self.sender.send(flags=flags)
+        else:
+            self.sender.send(triton_response, flags=flags)
+        self._last_sent = self._clock()
+        self.closed = flags == FINAL
 
 
 class LocalGroup:

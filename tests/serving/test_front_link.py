@@ -92,6 +92,8 @@ def test_a_sender_is_never_asked_after_its_final_response(front: types.ModuleTyp
     assert not link.check_cancelled()
     link.send(_chunk([7], "stop"), final=True)
     assert not link.check_cancelled()  # a remote call's reader looks once more
+    link.probe()  # the prober's thread, which may find the request just ended
+    assert [flags for _, flags in sender.sent] == [FINAL]
 
 
 class CountingSender(Sender):
