@@ -436,8 +436,8 @@ class ClientChunk(Message):
 @dataclass(frozen=True)
 class ClientOutput(Message):
     """postprocessing (or the gateway, calling the front itself) -> the client: the ensemble's
-    outputs (the Triton TensorRT-LLM backend's
-    names; declared with dims [-1], as that backend's are)."""
+    outputs (the Triton TensorRT-LLM backend's names; declared with dims [-1], as that
+    backend's are)."""
 
     text_output: str = _tensor("text_output", Kind.TEXT, variable=True)
     finish_reason: str = _tensor("finish_reason", Kind.TEXT, variable=True)

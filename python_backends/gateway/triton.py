@@ -320,10 +320,8 @@ Outputs = dict[str, bytes]
 
 
 def read_piece(response: service_pb2.ModelInferResponse) -> Piece:
-    """One response of the ensemble. Triton's gRPC endpoint sends every output's data as raw
-    bytes (raw_output_contents, in the order of the outputs)."""
-    outputs = {o.name: raw for o, raw in zip(response.outputs, response.raw_output_contents,
-                                             strict=False)}
+    """One response of the ensemble."""
+    outputs = _raw_outputs(response)
     return Piece(
         text=_text(outputs, "text_output"),
         token_ids=_ints(outputs, "output_ids"),
@@ -341,14 +339,20 @@ def read_chunk(tokenizer: Any, response: service_pb2.ModelInferResponse) -> Piec
     """One response of the front (a packed wire.ClientChunk) as the ensemble's postprocessing
     would have answered it: its tokens' text; None for a probe, which reports nothing."""
     name = ClientChunk.PACKED
-    raw = next((raw for o, raw in zip(response.outputs, response.raw_output_contents,
-                                      strict=False) if o.name == name), None)
+    raw = _raw_outputs(response).get(name)
     if raw is None:
         raise ApiError(500, f"the front answered without {name}")
     chunk = ClientChunk.unpack(raw)
     if chunk.is_probe:
         return None
     return Piece.of(chunk.output(incremental_text(tokenizer, chunk.tokens, chunk.prefix_len)))
+
+
+def _raw_outputs(response: service_pb2.ModelInferResponse) -> Outputs:
+    """A response's outputs by name: Triton's gRPC endpoint sends every output's data as raw
+    bytes (raw_output_contents, in the order of the outputs)."""
+    return {o.name: raw for o, raw in zip(response.outputs, response.raw_output_contents,
+                                          strict=False)}
 
 
 def _ints(outputs: Outputs, name: str) -> list[int]:

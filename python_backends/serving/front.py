@@ -225,10 +225,9 @@ class ClientLink:
         if self.board is None:
             return
         with self._lock:
-            if self.closed or self.check_cancelled():
-                return
-            self._send_locked(
-                response(ClientChunk.probe(self.board.name, self.ticket), batched=True), 0)
+            if not self.check_cancelled():  # never asks a closed link's sender
+                self._send_locked(
+                    response(ClientChunk.probe(self.board.name, self.ticket), batched=True), 0)
 
     def _send(self, triton_response: Any, flags: int) -> None:
         with self._lock:
