@@ -8,10 +8,15 @@ import pytest
 import torch
 
 from python_backends.models import kernels
-from python_backends.models.greedy_head import GreedyHead, bf16_round
+from python_backends.models.greedy_head import (
+    GreedyHead,
+    bf16_round,
+    quantize_groups,
+    quantize_rows,
+)
 
 pytestmark = pytest.mark.skipif(not kernels.screen_path(),
-                                reason="the screen computes on AMX tiles or AVX-512 bf16 only")
+                                reason="the screen computes on AMX tiles or AVX-512 VNNI only")
 
 
 def _argmax(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -23,12 +28,27 @@ def _argmax(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
                                           (70, 3000, 576), (13, 33, 7)])
 def test_screen_is_the_rounded_operands_product(rows, vocab, k):
     torch.manual_seed(rows)
-    x, w = bf16_round(torch.randn(rows, k)), bf16_round(torch.randn(vocab, k))
-    got = torch.ops.llm_kernels.screen_linear(x, torch.ops.llm_kernels.pack_screen_weight(w),
-                                              vocab)
-    exact = x.double() @ w.double().T
-    bound = 2 * (k + 2) * 2.0 ** -24 * (x.abs().double() @ w.abs().double().T)
+    x, w = torch.randn(rows, k), torch.randn(vocab, k)
+    w[3] = 0  # a token whose row is all zeros
+    x[:, : min(k, 40)] *= 30  # a few large channels, as hidden states have
+    head = GreedyHead.build(w)
+    assert head is not None
+    x0, got = head.estimate(x)
+    w0 = (bf16_round(w) if head.path == "amx"
+          else quantize_rows(w)[0].double() * quantize_rows(w)[1].double()[:, None])
+    exact = x0.double() @ w0.double().T
+    bound = 2 * (k + 2) * 2.0 ** -24 * (x0.abs().double() @ w0.abs().double().T)
     assert ((got.double() - exact).abs() <= bound).all()
+
+
+def test_int8_groups_round_each_group_on_its_own_scale():
+    x = torch.cat([torch.full((1, 64), 100.0), torch.linspace(-1, 1, 70).unsqueeze(0)], dim=1)
+    q, scales, x0 = quantize_groups(x)
+    assert q.shape == (1, 192) and q.dtype == torch.uint8 and scales.shape == (1, 3)
+    assert scales[0].tolist() == pytest.approx([100 / 127, 1 / 127, 1 / 127])
+    assert (q[0, 134:] == 128).all()  # the padding is zero
+    assert (x0 - x).abs().max() <= 0.5 / 127 * 100 * (1 + 1e-6)
+    assert (x0[0, 64:] - x[0, 64:]).abs().max() <= 0.5 / 127 * (1 + 1e-6)  # not 100's scale
 
 
 def test_tokens_are_the_float32_argmax_with_near_ties():
@@ -83,5 +103,12 @@ def test_candidates_refuse_mismatched_shapes():
         ops.screen_candidates(estimate, a, a, torch.ones(39), torch.ones(40))
     with pytest.raises(RuntimeError, match="screen_candidates"):
         ops.screen_candidates(estimate.double(), a, a, torch.ones(40), torch.ones(40))
-    with pytest.raises(RuntimeError, match="pack_screen_weight"):
-        ops.screen_linear(torch.randn(3, 64), torch.zeros(2, 5, dtype=torch.short), 40)
+    if kernels.screen_path() == "amx":
+        with pytest.raises(RuntimeError, match="pack_screen_weight"):
+            ops.screen_linear(torch.randn(3, 64), torch.zeros(2, 5, dtype=torch.short), 40)
+    else:
+        xq, scales = torch.zeros(3, 64, dtype=torch.uint8), torch.ones(3, 1)
+        with pytest.raises(RuntimeError, match="pack_int8_screen"):
+            ops.int8_screen(xq, scales, torch.zeros(2, 5, dtype=torch.uint8), 40)
+        with pytest.raises(RuntimeError, match="xs float32"):
+            ops.int8_screen(xq, torch.ones(3, 2), torch.zeros(2, 5, dtype=torch.uint8), 40)

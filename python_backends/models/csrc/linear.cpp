@@ -6,10 +6,10 @@
 // ascending; results differ from MKL's only in rounding. From kAmxRows tokens on, on CPUs with
 // AMX, the same products run on AMX tiles (amx.h) to the same precision.
 //
-// screen_linear and screen_candidates serve greedy rows' LM head (models/greedy_head.py): an
-// estimate of every logit from bfloat16 operands, and the tokens whose bounds reach the largest.
-// The estimate computes on AMX tiles, or on AVX-512 bfloat16 dot products (vdpbf16ps: AMD Zen 4
-// and 5, Intel Cooper Lake) where there are no tiles.
+// The screens and screen_candidates serve greedy rows' LM head (models/greedy_head.py): an
+// estimate of every logit from rounded operands, and the tokens whose bounds reach the largest.
+// The estimate computes on AMX tiles from bfloat16 operands (screen_linear), or where there are
+// no tiles from int8 operands on AVX-512 VNNI (int8_screen: Intel from Cascade Lake, AMD Zen 4).
 //
 // Built and loaded by python_backends/models/kernels.py (for the machine it runs on).
 #include <ATen/ops/constant_pad_nd.h>
@@ -183,74 +183,17 @@ bool linear_amx() {
 
 at::Tensor pack_linear_weight(const at::Tensor& weight);
 
-#ifdef __AVX512BF16__
-// The screen on vdpbf16ps: each instruction adds two products of bfloat16 pairs to 16 float32
-// sums, twice the multiply-adds of a float32 FMA, from weights of half the bytes. The weight is
-// packed in panels of NR outputs, k in pairs: [P][Kp / 2][NR][2] bfloat16 (Kp = K rounded up to
-// even, zero-padded), so one pair of k for 16 outputs is one 64-byte vector; a row's pair is
-// broadcast as one 32-bit lane. Products of bfloat16 are exact in float32 and each instruction
-// rounds like an FMA: the sum's error is within greedy_head's bound, as on the tiles.
-constexpr bool kDotBf16 = NR == 32;
-
-// dst[r, 0:cols] = x[r] . panel for R rows; x [R][Kh] of bfloat16 pairs, Kh = Kp / 2.
-template <int64_t R>
-inline void dot_tile(const uint32_t* x, int64_t Kh, const uint16_t* panel, float* dst, int64_t ld,
-                     int64_t cols) {
-  __m512 acc[R][2];
-  for (int64_t r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < Kh; ++i) {
-    const uint16_t* w = panel + i * 2 * NR;
-    __builtin_prefetch(w + kAhead * 2 * NR);
-    __builtin_prefetch(w + kAhead * 2 * NR + 32);
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w);
-    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + 32);
-    for (int64_t r = 0; r < R; ++r) {
-      const __m512bh xr = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * Kh + i]));
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xr, w0);
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xr, w1);
-    }
-  }
-  for (int64_t r = 0; r < R; ++r) {
-    float row[NR];
-    _mm512_storeu_ps(row, acc[r][0]);
-    _mm512_storeu_ps(row + 16, acc[r][1]);
-    std::memcpy(dst + r * ld, row, cols * sizeof(float));
-  }
-}
-
-template <int64_t... Rs>
-inline void dot_tile_rows(int64_t rows, const uint32_t* x, int64_t Kh, const uint16_t* panel,
-                          float* dst, int64_t ld, int64_t cols, std::integer_sequence<int64_t, Rs...>) {
-  ((rows == Rs + 1 ? dot_tile<Rs + 1>(x, Kh, panel, dst, ld, cols) : void()), ...);
-}
-
-// The top 16 bits of each float32 (x is already rounded to bfloat16: its bfloat16 exactly).
-inline uint16_t bf16_bits(float v) {
-  uint32_t u;
-  std::memcpy(&u, &v, sizeof(u));
-  return static_cast<uint16_t>(u >> 16);
-}
-
-at::Tensor pack_dot_screen(const at::Tensor& weight) {
-  const at::Tensor packed = pack_linear_weight(weight);  // [P, K, NR] float32
-  const int64_t P = packed.size(0), K = packed.size(1), Kh = (K + 1) / 2;
-  at::Tensor out = at::zeros({P, Kh * NR * 2}, at::TensorOptions().dtype(at::kShort));
-  const float* wp = packed.const_data_ptr<float>();
-  auto* op = reinterpret_cast<uint16_t*>(out.mutable_data_ptr<int16_t>());
-  for (int64_t p = 0; p < P; ++p)
-    for (int64_t k = 0; k < K; ++k)
-      for (int64_t j = 0; j < NR; ++j)
-        op[((p * Kh + k / 2) * NR + j) * 2 + k % 2] = bf16_bits(wp[(p * K + k) * NR + j]);
-  return out;
-}
+#ifdef __AVX512VNNI__
+constexpr bool kDotInt8 = NR == 32;  // int8_screen below
 #else
-constexpr bool kDotBf16 = false;
+constexpr bool kDotInt8 = false;
 #endif
 
-// What the greedy head's screen computes on here: "amx", "avx512_bf16" or "" (it does not).
+// What the greedy head's screen computes on here: "amx" (screen_linear), "avx512_vnni"
+// (int8_screen) or "" (it does not).
 std::string screen_path() {
   if (linear_amx()) return "amx";
-  return kDotBf16 ? "avx512_bf16" : "";
+  return kDotInt8 ? "avx512_vnni" : "";
 }
 
 at::Tensor pack_linear_weight(const at::Tensor& weight) {
@@ -361,6 +304,148 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n) {
   return out;
 }
 
+#ifdef __AVX512VNNI__
+// The screen on vpdpbusd (AVX-512 VNNI: Intel from Cascade Lake, AMD Zen 4 and 5): each
+// instruction adds four products of unsigned and signed bytes to 16 int32 sums, four times the
+// multiply-adds of a float32 FMA, from weights of a quarter of the bytes. greedy_head quantizes:
+// each token's weight row to int8 with one scale (sw), each row of x by groups of kGroup inputs
+// to u = q + 128 with q in [-127, 127] and one scale per group (sx). A group's integer sum is
+// exact; the kernel starts it at -128 times the group's weight sum (the offset's share), converts
+// it to float32 and adds it times sx, then multiplies the row by sw: within greedy_head's bound.
+// Packed per panel of NR tokens: [Kp / 4][NR][4] int8 weights (k zero-padded to Kp, a multiple of
+// kGroup), [Kp / kGroup][NR] int32 of -128 x each group's weight sum, [NR] float32 sw.
+constexpr int64_t kGroup = 64;  // inputs per scale of x: 16 vpdpbusd a sum
+
+struct Int8Panel {
+  int64_t K4, groups;  // 4-byte steps of k, groups of kGroup inputs
+  int64_t bytes() const { return K4 * NR * 4 + groups * NR * 4 + NR * 4; }
+  const int8_t* weights(const uint8_t* p) const { return reinterpret_cast<const int8_t*>(p); }
+  const int32_t* offsets(const uint8_t* p) const {
+    return reinterpret_cast<const int32_t*>(p + K4 * NR * 4);
+  }
+  const float* scales(const uint8_t* p) const {
+    return reinterpret_cast<const float*>(p + K4 * NR * 4 + groups * NR * 4);
+  }
+};
+
+// dst[r, 0:cols] = the estimate for R rows; xq [R][K4] of 4 unsigned bytes, xs [R][groups].
+template <int64_t R>
+inline void int8_tile(const uint32_t* xq, const float* xs, const Int8Panel& shape,
+                      const uint8_t* panel, float* dst, int64_t ld, int64_t cols) {
+  const int64_t K4 = shape.K4, G = shape.groups;
+  const int8_t* w = shape.weights(panel);
+  const int32_t* off = shape.offsets(panel);
+  __m512 acc[R][2];
+  for (int64_t r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const __m512i o0 = _mm512_loadu_si512(off + g * NR), o1 = _mm512_loadu_si512(off + g * NR + 16);
+    __m512i sum[R][2];
+    for (int64_t r = 0; r < R; ++r) sum[r][0] = o0, sum[r][1] = o1;
+    for (int64_t i = g * (kGroup / 4); i < (g + 1) * (kGroup / 4); ++i) {
+      const int8_t* wi = w + i * NR * 4;
+      __builtin_prefetch(wi + kAhead * NR * 4);
+      __builtin_prefetch(wi + kAhead * NR * 4 + 64);
+      const __m512i w0 = _mm512_loadu_si512(wi), w1 = _mm512_loadu_si512(wi + 64);
+      for (int64_t r = 0; r < R; ++r) {
+        const __m512i xr = _mm512_set1_epi32(static_cast<int>(xq[r * K4 + i]));
+        sum[r][0] = _mm512_dpbusd_epi32(sum[r][0], xr, w0);
+        sum[r][1] = _mm512_dpbusd_epi32(sum[r][1], xr, w1);
+      }
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      const __m512 s = _mm512_set1_ps(xs[r * G + g]);
+      acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][0]), s, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][1]), s, acc[r][1]);
+    }
+  }
+  const float* sw = shape.scales(panel);
+  const __m512 sw0 = _mm512_loadu_ps(sw), sw1 = _mm512_loadu_ps(sw + 16);
+  for (int64_t r = 0; r < R; ++r) {
+    float row[NR];
+    _mm512_storeu_ps(row, _mm512_mul_ps(acc[r][0], sw0));
+    _mm512_storeu_ps(row + 16, _mm512_mul_ps(acc[r][1], sw1));
+    std::memcpy(dst + r * ld, row, cols * sizeof(float));
+  }
+}
+
+constexpr int64_t kInt8Rows = 6;  // 4 R accumulators + 2 weight vectors in 32 registers
+
+template <int64_t... Rs>
+inline void int8_tile_rows(int64_t rows, const uint32_t* xq, const float* xs,
+                           const Int8Panel& shape, const uint8_t* panel, float* dst, int64_t ld,
+                           int64_t cols, std::integer_sequence<int64_t, Rs...>) {
+  ((rows == Rs + 1 ? int8_tile<Rs + 1>(xq, xs, shape, panel, dst, ld, cols) : void()), ...);
+}
+
+// The packed screen weight from q [V, K] int8 (each row's values in [-127, 127]) and its
+// scales sw [V] float32 (greedy_head.quantize_rows).
+at::Tensor pack_int8_screen(const at::Tensor& q_in, const at::Tensor& scale_in) {
+  TORCH_CHECK(q_in.device().is_cpu() && q_in.scalar_type() == at::kChar && q_in.dim() == 2,
+              "pack_int8_screen: q int8 CPU [V, K]");
+  TORCH_CHECK(scale_in.scalar_type() == at::kFloat && scale_in.dim() == 1 &&
+                  scale_in.size(0) == q_in.size(0),
+              "pack_int8_screen: scales float32 [V]");
+  const at::Tensor q = q_in.contiguous(), scale = scale_in.contiguous();
+  const int64_t V = q.size(0), K = q.size(1), P = (V + NR - 1) / NR;
+  const Int8Panel shape{(K + kGroup - 1) / kGroup * kGroup / 4, (K + kGroup - 1) / kGroup};
+  at::Tensor out = at::zeros({P, shape.bytes()}, at::TensorOptions().dtype(at::kByte));
+  const int8_t* qp = q.const_data_ptr<int8_t>();
+  const float* sp = scale.const_data_ptr<float>();
+  for (int64_t p = 0; p < P; ++p) {
+    uint8_t* panel = out.mutable_data_ptr<uint8_t>() + p * shape.bytes();
+    auto* w = reinterpret_cast<int8_t*>(panel);
+    auto* off = const_cast<int32_t*>(shape.offsets(panel));
+    auto* sw = const_cast<float*>(shape.scales(panel));
+    for (int64_t j = 0; j < NR && p * NR + j < V; ++j) {
+      const int8_t* row = qp + (p * NR + j) * K;
+      for (int64_t k = 0; k < K; ++k) {
+        w[(k / 4 * NR + j) * 4 + k % 4] = row[k];
+        off[k / kGroup * NR + j] -= 128 * row[k];
+      }
+      sw[j] = sp[p * NR + j];
+    }
+  }
+  return out;
+}
+
+// The estimate [T, n] from xq [T, Kp] uint8 (q + 128) and xs [T, Kp / kGroup] float32.
+at::Tensor int8_screen(const at::Tensor& xq_in, const at::Tensor& xs_in, const at::Tensor& packed,
+                       int64_t n) {
+  TORCH_CHECK(xq_in.device().is_cpu() && xq_in.scalar_type() == at::kByte && xq_in.dim() == 2 &&
+                  xq_in.size(1) % kGroup == 0,
+              "int8_screen: xq uint8 CPU [T, Kp], Kp a multiple of ", kGroup);
+  const int64_t T = xq_in.size(0), Kp = xq_in.size(1);
+  const Int8Panel shape{Kp / 4, Kp / kGroup};
+  TORCH_CHECK(xs_in.scalar_type() == at::kFloat && xs_in.dim() == 2 && xs_in.size(0) == T &&
+                  xs_in.size(1) == shape.groups,
+              "int8_screen: xs float32 [T, ", shape.groups, "]");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous() &&
+                  packed.size(1) == shape.bytes(),
+              "int8_screen: a weight from pack_int8_screen for ", Kp, " padded input features");
+  const int64_t P = packed.size(0);
+  TORCH_CHECK(n > (P - 1) * NR && n <= P * NR, "int8_screen: ", n, " outputs for ", P, " panels");
+  const at::Tensor xq = xq_in.contiguous(), xs = xs_in.contiguous();
+  at::Tensor out = at::empty({T, n}, xs.options());
+  if (T == 0) return out;
+  const auto* xp = reinterpret_cast<const uint32_t*>(xq.const_data_ptr<uint8_t>());
+  const float* sp = xs.const_data_ptr<float>();
+  const uint8_t* wp = packed.const_data_ptr<uint8_t>();
+  PanelsFn compute = [=](int64_t, int64_t p0, int64_t p1, float* dst, int64_t ld) {
+    for (int64_t t = 0; t < T; t += kInt8Rows) {
+      const int64_t rows = std::min(kInt8Rows, T - t);
+      for (int64_t p = p0; p < p1; ++p)
+        int8_tile_rows(rows, xp + t * shape.K4, sp + t * shape.groups, shape,
+                       wp + p * shape.bytes(), dst + t * ld + (p - p0) * NR, ld,
+                       std::min(NR, n - p * NR), std::make_integer_sequence<int64_t, kInt8Rows>{});
+    }
+  };
+  run_panels(out, {xq, xs, packed}, P, 1, T,
+             panels_per_chunk(T, Kp, 1, 300e9),  // a quarter of the bytes, ~3x float32's rate
+             std::move(compute));
+  return out;
+}
+#endif
+
 // The screening estimate x0 . w0 of x W^T from the first bfloat16 pieces (amx.h's split: the
 // top 8 significant bits, truncated) of x and W alone, one tile product per output tile instead
 // of six, from the weight's first pieces packed once (pack_screen_weight: half the float32
@@ -368,11 +453,7 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n) {
 // rounded to bfloat16, which are their own first pieces, so these are exactly its x0 and w0;
 // exact products summed in float32, and it bounds |x W^T - x0 . w0| from the norms. AMX only.
 at::Tensor pack_screen_weight(const at::Tensor& weight) {
-  TORCH_CHECK(!screen_path().empty(),
-              "pack_screen_weight: this CPU (or build) has neither AMX tiles nor AVX-512 bf16");
-#ifdef __AVX512BF16__
-  if (!linear_amx()) return pack_dot_screen(weight);
-#endif
+  TORCH_CHECK(linear_amx(), "pack_screen_weight: this CPU (or build) has no AMX tiles");
 #ifdef LLM_AMX
   const at::Tensor packed = pack_linear_weight(weight);  // [P, K, NR]
   const int64_t P = packed.size(0), K = packed.size(1), Kp = (K + 31) / 32 * 32;
@@ -394,42 +475,15 @@ at::Tensor pack_screen_weight(const at::Tensor& weight) {
 
 at::Tensor screen_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n) {
   check_x("screen_linear", x_in, packed);
-  const std::string path = screen_path();
-  TORCH_CHECK(!path.empty(),
-              "screen_linear: this CPU (or build) has neither AMX tiles nor AVX-512 bf16");
+  TORCH_CHECK(linear_amx(), "screen_linear: this CPU (or build) has no AMX tiles");
   const int64_t T = x_in.size(0), K = x_in.size(1), Kp = (K + 31) / 32 * 32, P = packed.size(0);
-  const int64_t per_panel = path == "amx" ? 2 * Kp * 16 : (K + 1) / 2 * NR * 2;
   TORCH_CHECK(packed.scalar_type() == at::kShort && packed.dim() == 2 && packed.is_contiguous() &&
-                  packed.size(1) == per_panel,
+                  packed.size(1) == 2 * Kp * 16,
               "screen_linear: a weight from pack_screen_weight for ", K, " input features");
   TORCH_CHECK(n > (P - 1) * NR && n <= P * NR, "screen_linear: ", n, " outputs for ", P, " panels");
   at::Tensor x = x_in.contiguous();
   at::Tensor out = at::empty({T, n}, x.options());
   if (T == 0) return out;
-#ifdef __AVX512BF16__
-  if (path == "avx512_bf16") {
-    const int64_t Kh = (K + 1) / 2;
-    at::Tensor pairs = at::zeros({T, Kh}, at::TensorOptions().dtype(at::kInt));
-    auto* xp = reinterpret_cast<uint16_t*>(pairs.mutable_data_ptr<int32_t>());
-    const float* xs = x.const_data_ptr<float>();
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t k = 0; k < K; ++k) xp[t * 2 * Kh + k] = bf16_bits(xs[t * K + k]);
-    const auto* xr = reinterpret_cast<const uint32_t*>(xp);
-    const auto* wp = reinterpret_cast<const uint16_t*>(packed.const_data_ptr<int16_t>());
-    PanelsFn compute = [=](int64_t, int64_t p0, int64_t p1, float* dst, int64_t ld) {
-      for (int64_t t = 0; t < T; t += MR) {
-        const int64_t rows = std::min(MR, T - t);
-        for (int64_t p = p0; p < p1; ++p)
-          dot_tile_rows(rows, xr + t * Kh, Kh, wp + p * per_panel, dst + t * ld + (p - p0) * NR,
-                        ld, std::min(NR, n - p * NR), std::make_integer_sequence<int64_t, MR>{});
-      }
-    };
-    run_panels(out, {x, packed, pairs}, P, 1, T,
-               panels_per_chunk(T, K, sizeof(uint16_t), 200e9),  // twice float32's FMA rate
-               std::move(compute));
-    return out;
-  }
-#endif
 #ifdef LLM_AMX
   const RowBlocks rb = split_row_blocks(x.const_data_ptr<float>(), T, K);
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.const_data_ptr<int16_t>());
@@ -515,6 +569,11 @@ TORCH_LIBRARY_FRAGMENT(llm_kernels, m) {
   m.def("linear(Tensor x, Tensor packed, int out_features) -> Tensor", &linear);
   m.def("pack_screen_weight(Tensor weight) -> Tensor", &pack_screen_weight);
   m.def("screen_linear(Tensor x, Tensor packed, int out_features) -> Tensor", &screen_linear);
+#ifdef __AVX512VNNI__
+  m.def("pack_int8_screen(Tensor q, Tensor scale) -> Tensor", &pack_int8_screen);
+  m.def("int8_screen(Tensor xq, Tensor xs, Tensor packed, int out_features) -> Tensor",
+        &int8_screen);
+#endif
   m.def("screen_candidates(Tensor estimate, Tensor a, Tensor b, Tensor w, Tensor dw) -> "
         "(Tensor, Tensor)",
         &screen_candidates);
