@@ -96,7 +96,7 @@ class Process:
 
 
 # Instruction sets the engine's CPU paths depend on, as /proc/cpuinfo names them.
-ISA_FLAGS = ("amx_tile", "avx512_bf16", "avx512f", "avx2")
+ISA_FLAGS = ("amx_tile", "avx512_bf16", "avx512_vnni", "avx512f", "avx2")
 
 
 def _cpuinfo(field: str) -> str | None:

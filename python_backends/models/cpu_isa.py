@@ -4,9 +4,10 @@ Four paths, from most to least:
 
     amx          AMX tiles: float32-exact split products for prompt-sized calls, the screened
                  LM head on tiles (Intel Xeon from Sapphire Rapids on)
-    avx512_bf16  AVX-512 with bfloat16 dot products: the screened LM head on vdpbf16ps
-                 (AMD Zen 4 and 5, Intel Cooper Lake)
-    avx512       AVX-512 float32 kernels, the LM head in full
+    avx512_bf16  AVX-512 with bfloat16 dot products (torch's 16-bit engines use them); the
+                 screened LM head on int8 VNNI products (AMD Zen 4 and 5, Intel Cooper Lake)
+    avx512       AVX-512 float32 kernels; the LM head screened on VNNI where the CPU has it
+                 (Cascade Lake, Ice Lake), in full where not (Skylake-SP)
     avx2         AVX2 + FMA float32 kernels (8 lanes), the LM head in full
 
 `LLM_CPU_ISA` (one of those names) caps the path, so each can be tested and benchmarked on any
