@@ -6,13 +6,14 @@ native kernel estimates all of them from roundings x0 of x and w0 of W, packed o
 - `amx`: bfloat16 roundings, one AMX tile product per output tile instead of the float32
   projection's six (`screen_linear`), from a bfloat16 copy of W (half its bytes);
 - `avx512_vnni`: int8 roundings, four products of bytes where a float32 FMA does one
-  (`int8_screen`), from an int8 copy of W (a quarter of its bytes): each token's row quantized
-  with one scale, each row of x by groups of GROUP inputs with one scale each (hidden states
-  have a few large channels; one scale for the whole row would blur the rest and leave hundreds
-  of candidates a row instead of a few dozen).
+  (`int8_screen`), from an int8 copy of W (a quarter of its bytes): each row of x and of W
+  quantized by groups of GROUP inputs with one scale each (hidden states have a few large
+  channels: one scale for a whole row would blur the rest and leave hundreds of candidates a
+  row instead of a few).
 
 A bound on each estimate's error leaves only the few tokens whose logit could be the largest
-(`screen_candidates`); their logits are then computed in float32 from the float32 weight. The
+(`screen_candidates`); their logits are then computed in float32 from the float32 weight
+(`candidate_argmax`). The
 token is the argmax of those float32 logits, so the same token as computing every logit in
 float32 (the lowest index among equal largest values, as `max` picks), whatever the estimates'
 errors, because for every row x and token w
@@ -44,17 +45,10 @@ def bf16_round(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.bfloat16).to(torch.float32)
 
 
-def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row of w [V, K] as int8 in [-127, 127] times one float32 scale per row (its largest
-    magnitude over 127; 1 for a row of zeros): (q [V, K] int8, scale [V])."""
-    scale = w.abs().amax(dim=1) / 127
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    return (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8), scale
-
-
 def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each row of x [N, K] in groups of GROUP inputs (zero-padded) as q in [-127, 127] times one
-    scale a group: (q + 128 [N, Kp] uint8, scales [N, Kp / GROUP], x0 [N, K] = q x scale)."""
+    """Each row of x [N, K] in groups of GROUP inputs (zero-padded to Kp) as q in [-127, 127]
+    times one float32 scale a group (its largest magnitude over 127; 1 for zeros): (q [N, Kp]
+    float32, scales [N, Kp / GROUP], x0 [N, K] = q x scale)."""
     n, k = x.shape
     kp = -(-k // GROUP) * GROUP
     xg = torch.nn.functional.pad(x, (0, kp - k)).view(n, kp // GROUP, GROUP)
@@ -62,7 +56,7 @@ def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = (xg / scale[:, :, None]).round().clamp(-127, 127)
     x0 = (q * scale[:, :, None]).view(n, kp)[:, :k]
-    return (q + 128).to(torch.uint8).view(n, kp), scale, x0
+    return q.view(n, kp), scale, x0
 
 
 @dataclass(frozen=True)
@@ -88,9 +82,8 @@ class GreedyHead:
             w0 = bf16_round(weight)
             screen = ops.pack_screen_weight(w0)
         else:
-            q, scale = quantize_rows(weight)
-            w0 = q * scale[:, None]
-            screen = ops.pack_int8_screen(q, scale)
+            q, scale, w0 = quantize_groups(weight)
+            screen = ops.pack_int8_screen(q.to(torch.int8), scale)
         w_norm, dw_norm = weight.norm(dim=1), (weight - w0).norm(dim=1)
         if not bool(torch.isfinite(w_norm).all()):
             return None
@@ -106,8 +99,9 @@ class GreedyHead:
         if self.path == "amx":
             x0 = bf16_round(x)
             return x0, ops.screen_linear(x0, self.screen, self.vocab_size)
-        xq, scales, x0 = quantize_groups(x)
-        return x0, ops.int8_screen(xq, scales, self.screen, self.vocab_size)
+        q, scales, x0 = quantize_groups(x)
+        return x0, ops.int8_screen((q + 128).to(torch.uint8), scales, self.screen,
+                                   self.vocab_size)
 
     def tokens(self, x: torch.Tensor) -> torch.Tensor | None:
         """The argmax of each row of x W^T ([N] int64) for float32 x [N, K]; None where x holds
@@ -124,9 +118,4 @@ class GreedyHead:
         a, b = dx + g * (nx + nx0), nx0 * (1 + g)
         rows, cols = torch.ops.llm_kernels.screen_candidates(estimate, a, b, self.w_norm,
                                                              self.dw_norm)
-        logits = (x[rows] * self.weight[cols]).sum(dim=1)
-        best = torch.full((x.shape[0],), float("-inf")).scatter_reduce(
-            0, rows, logits, "amax")
-        top = logits == best[rows]
-        return torch.full((x.shape[0],), self.vocab_size, dtype=torch.long).scatter_reduce(
-            0, rows[top], cols[top], "amin")
+        return torch.ops.llm_kernels.candidate_argmax(x, self.weight, rows, cols)

@@ -12,7 +12,6 @@ from python_backends.models.greedy_head import (
     GreedyHead,
     bf16_round,
     quantize_groups,
-    quantize_rows,
 )
 
 pytestmark = pytest.mark.skipif(not kernels.screen_path(),
@@ -20,8 +19,27 @@ pytestmark = pytest.mark.skipif(not kernels.screen_path(),
 
 
 def _argmax(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Each row's first largest float32 logit, computed as the head computes its candidates'."""
-    return torch.stack([(row * weight).sum(dim=1).max(dim=0).indices for row in x])
+    """Each row's first largest float32 logit over every token, computed as the head computes
+    its candidates'."""
+    rows = torch.arange(x.shape[0]).repeat_interleave(weight.shape[0])
+    cols = torch.arange(weight.shape[0]).repeat(x.shape[0])
+    return torch.ops.llm_kernels.candidate_argmax(x, weight, rows, cols)
+
+
+def test_candidates_logits_are_float32_dot_products():
+    torch.manual_seed(3)
+    x, w = torch.randn(4, 100), torch.randn(300, 100)
+    exact = (x.double() @ w.double().T).max(dim=1)
+    got = _argmax(x, w)
+    chosen = (x.double() * w[got].double()).sum(dim=1)
+    slack = 2 * 102 * 2.0 ** -24 * x.norm(dim=1).double() * w.norm(dim=1).max().double()
+    assert (chosen >= exact.values - slack).all()
+    rows, cols = torch.tensor([0, 0, 2]), torch.tensor([5, 9, 7])
+    picked = torch.ops.llm_kernels.candidate_argmax(x, w, rows, cols)
+    first = 5 if float(x[0] @ w[5]) >= float(x[0] @ w[9]) else 9
+    assert picked.tolist() == [first, 300, 7, 300]  # rows without candidates: the vocab size
+    with pytest.raises(RuntimeError, match="outside"):
+        torch.ops.llm_kernels.candidate_argmax(x, w, torch.tensor([4]), torch.tensor([0]))
 
 
 @pytest.mark.parametrize("rows,vocab,k", [(1, 100, 64), (5, 4099, 576), (33, 2000, 100),
@@ -34,8 +52,7 @@ def test_screen_is_the_rounded_operands_product(rows, vocab, k):
     head = GreedyHead.build(w)
     assert head is not None
     x0, got = head.estimate(x)
-    w0 = (bf16_round(w) if head.path == "amx"
-          else quantize_rows(w)[0].double() * quantize_rows(w)[1].double()[:, None])
+    w0 = bf16_round(w) if head.path == "amx" else quantize_groups(w)[2]
     exact = x0.double() @ w0.double().T
     bound = 2 * (k + 2) * 2.0 ** -24 * (x0.abs().double() @ w0.abs().double().T)
     assert ((got.double() - exact).abs() <= bound).all()
@@ -44,9 +61,10 @@ def test_screen_is_the_rounded_operands_product(rows, vocab, k):
 def test_int8_groups_round_each_group_on_its_own_scale():
     x = torch.cat([torch.full((1, 64), 100.0), torch.linspace(-1, 1, 70).unsqueeze(0)], dim=1)
     q, scales, x0 = quantize_groups(x)
-    assert q.shape == (1, 192) and q.dtype == torch.uint8 and scales.shape == (1, 3)
+    assert q.shape == (1, 192) and scales.shape == (1, 3)
+    assert q.abs().max() <= 127 and torch.equal(q, q.round())
     assert scales[0].tolist() == pytest.approx([100 / 127, 1 / 127, 1 / 127])
-    assert (q[0, 134:] == 128).all()  # the padding is zero
+    assert (q[0, 134:] == 0).all()  # the padding is zero
     assert (x0 - x).abs().max() <= 0.5 / 127 * 100 * (1 + 1e-6)
     assert (x0[0, 64:] - x[0, 64:]).abs().max() <= 0.5 / 127 * (1 + 1e-6)  # not 100's scale
 

@@ -14,6 +14,7 @@
 // Built and loaded by python_backends/models/kernels.py (for the machine it runs on).
 #include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
 #include <ATen/ops/zeros.h>
 #include <immintrin.h>
 #include <torch/library.h>
@@ -307,18 +308,19 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n) {
 #ifdef __AVX512VNNI__
 // The screen on vpdpbusd (AVX-512 VNNI: Intel from Cascade Lake, AMD Zen 4 and 5): each
 // instruction adds four products of unsigned and signed bytes to 16 int32 sums, four times the
-// multiply-adds of a float32 FMA, from weights of a quarter of the bytes. greedy_head quantizes:
-// each token's weight row to int8 with one scale (sw), each row of x by groups of kGroup inputs
-// to u = q + 128 with q in [-127, 127] and one scale per group (sx). A group's integer sum is
+// multiply-adds of a float32 FMA, from weights of a quarter of the bytes. greedy_head quantizes
+// by groups of kGroup inputs, each with its own scale: each token's weight row to int8 (scales
+// sw), each row of x to u = q + 128 with q in [-127, 127] (scales sx). A group's integer sum is
 // exact; the kernel starts it at -128 times the group's weight sum (the offset's share), converts
-// it to float32 and adds it times sx, then multiplies the row by sw: within greedy_head's bound.
+// it to float32 and adds it times sw sx: within greedy_head's bound.
 // Packed per panel of NR tokens: [Kp / 4][NR][4] int8 weights (k zero-padded to Kp, a multiple of
-// kGroup), [Kp / kGroup][NR] int32 of -128 x each group's weight sum, [NR] float32 sw.
-constexpr int64_t kGroup = 64;  // inputs per scale of x: 16 vpdpbusd a sum
+// kGroup), [Kp / kGroup][NR] int32 of -128 x each group's weight sum, [Kp / kGroup][NR] float32
+// sw.
+constexpr int64_t kGroup = 64;  // inputs per scale: 16 vpdpbusd a sum
 
 struct Int8Panel {
   int64_t K4, groups;  // 4-byte steps of k, groups of kGroup inputs
-  int64_t bytes() const { return K4 * NR * 4 + groups * NR * 4 + NR * 4; }
+  int64_t bytes() const { return K4 * NR * 4 + 2 * groups * NR * 4; }
   const int8_t* weights(const uint8_t* p) const { return reinterpret_cast<const int8_t*>(p); }
   const int32_t* offsets(const uint8_t* p) const {
     return reinterpret_cast<const int32_t*>(p + K4 * NR * 4);
@@ -335,6 +337,7 @@ inline void int8_tile(const uint32_t* xq, const float* xs, const Int8Panel& shap
   const int64_t K4 = shape.K4, G = shape.groups;
   const int8_t* w = shape.weights(panel);
   const int32_t* off = shape.offsets(panel);
+  const float* sw = shape.scales(panel);
   __m512 acc[R][2];
   for (int64_t r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
@@ -352,18 +355,17 @@ inline void int8_tile(const uint32_t* xq, const float* xs, const Int8Panel& shap
         sum[r][1] = _mm512_dpbusd_epi32(sum[r][1], xr, w1);
       }
     }
+    const __m512 s0 = _mm512_loadu_ps(sw + g * NR), s1 = _mm512_loadu_ps(sw + g * NR + 16);
     for (int64_t r = 0; r < R; ++r) {
       const __m512 s = _mm512_set1_ps(xs[r * G + g]);
-      acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][0]), s, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][1]), s, acc[r][1]);
+      acc[r][0] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum[r][0]), s0), s, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum[r][1]), s1), s, acc[r][1]);
     }
   }
-  const float* sw = shape.scales(panel);
-  const __m512 sw0 = _mm512_loadu_ps(sw), sw1 = _mm512_loadu_ps(sw + 16);
   for (int64_t r = 0; r < R; ++r) {
     float row[NR];
-    _mm512_storeu_ps(row, _mm512_mul_ps(acc[r][0], sw0));
-    _mm512_storeu_ps(row + 16, _mm512_mul_ps(acc[r][1], sw1));
+    _mm512_storeu_ps(row, acc[r][0]);
+    _mm512_storeu_ps(row + 16, acc[r][1]);
     std::memcpy(dst + r * ld, row, cols * sizeof(float));
   }
 }
@@ -377,17 +379,18 @@ inline void int8_tile_rows(int64_t rows, const uint32_t* xq, const float* xs,
   ((rows == Rs + 1 ? int8_tile<Rs + 1>(xq, xs, shape, panel, dst, ld, cols) : void()), ...);
 }
 
-// The packed screen weight from q [V, K] int8 (each row's values in [-127, 127]) and its
-// scales sw [V] float32 (greedy_head.quantize_rows).
+// The packed screen weight from q [V, Kp] int8 (values in [-127, 127], Kp a multiple of kGroup)
+// and its scales sw [V, Kp / kGroup] float32 (greedy_head.quantize_groups).
 at::Tensor pack_int8_screen(const at::Tensor& q_in, const at::Tensor& scale_in) {
-  TORCH_CHECK(q_in.device().is_cpu() && q_in.scalar_type() == at::kChar && q_in.dim() == 2,
-              "pack_int8_screen: q int8 CPU [V, K]");
-  TORCH_CHECK(scale_in.scalar_type() == at::kFloat && scale_in.dim() == 1 &&
-                  scale_in.size(0) == q_in.size(0),
-              "pack_int8_screen: scales float32 [V]");
+  TORCH_CHECK(q_in.device().is_cpu() && q_in.scalar_type() == at::kChar && q_in.dim() == 2 &&
+                  q_in.size(1) % kGroup == 0,
+              "pack_int8_screen: q int8 CPU [V, Kp], Kp a multiple of ", kGroup);
+  const int64_t V = q_in.size(0), K = q_in.size(1), P = (V + NR - 1) / NR;
+  const Int8Panel shape{K / 4, K / kGroup};
+  TORCH_CHECK(scale_in.scalar_type() == at::kFloat && scale_in.dim() == 2 &&
+                  scale_in.size(0) == V && scale_in.size(1) == shape.groups,
+              "pack_int8_screen: scales float32 [V, ", shape.groups, "]");
   const at::Tensor q = q_in.contiguous(), scale = scale_in.contiguous();
-  const int64_t V = q.size(0), K = q.size(1), P = (V + NR - 1) / NR;
-  const Int8Panel shape{(K + kGroup - 1) / kGroup * kGroup / 4, (K + kGroup - 1) / kGroup};
   at::Tensor out = at::zeros({P, shape.bytes()}, at::TensorOptions().dtype(at::kByte));
   const int8_t* qp = q.const_data_ptr<int8_t>();
   const float* sp = scale.const_data_ptr<float>();
@@ -402,7 +405,7 @@ at::Tensor pack_int8_screen(const at::Tensor& q_in, const at::Tensor& scale_in) 
         w[(k / 4 * NR + j) * 4 + k % 4] = row[k];
         off[k / kGroup * NR + j] -= 128 * row[k];
       }
-      sw[j] = sp[p * NR + j];
+      for (int64_t g = 0; g < shape.groups; ++g) sw[g * NR + j] = sp[(p * NR + j) * shape.groups + g];
     }
   }
   return out;
@@ -560,6 +563,43 @@ std::tuple<at::Tensor, at::Tensor> screen_candidates(const at::Tensor& estimate_
   return {row_t, col_t};
 }
 
+// Each row's token among its candidates (rows ascending, columns ascending within a row, as
+// screen_candidates lists them) with the largest float32 logit x[r] . w[c], the first of equal
+// largest ones, as max picks; n for a row without candidates. Vector sums added as a tree.
+at::Tensor candidate_argmax(const at::Tensor& x_in, const at::Tensor& w_in, const at::Tensor& rows_in,
+                            const at::Tensor& cols_in) {
+  TORCH_CHECK(x_in.device().is_cpu() && w_in.device().is_cpu() && x_in.scalar_type() == at::kFloat &&
+                  w_in.scalar_type() == at::kFloat && x_in.dim() == 2 && w_in.dim() == 2 &&
+                  x_in.size(1) == w_in.size(1),
+              "candidate_argmax: float32 CPU x [N, K] and weight [V, K]");
+  TORCH_CHECK(rows_in.scalar_type() == at::kLong && cols_in.scalar_type() == at::kLong &&
+                  rows_in.dim() == 1 && rows_in.sizes() == cols_in.sizes(),
+              "candidate_argmax: int64 rows and cols [M]");
+  const at::Tensor x = x_in.contiguous(), w = w_in.contiguous(), rt = rows_in.contiguous(),
+                   ct = cols_in.contiguous();
+  const int64_t N = x.size(0), K = x.size(1), V = w.size(0), M = rt.size(0), body = K / VL * VL;
+  const float *xp = x.const_data_ptr<float>(), *wp = w.const_data_ptr<float>();
+  const int64_t *rows = rt.const_data_ptr<int64_t>(), *cols = ct.const_data_ptr<int64_t>();
+  at::Tensor out = at::full({N}, V, at::TensorOptions().dtype(at::kLong));
+  int64_t* tok = out.mutable_data_ptr<int64_t>();
+  std::vector<float> best(N, -std::numeric_limits<float>::infinity());
+  for (int64_t m = 0; m < M; ++m) {
+    const int64_t r = rows[m], c = cols[m];
+    TORCH_CHECK(r >= 0 && r < N && c >= 0 && c < V, "candidate_argmax: (", r, ", ", c,
+                ") outside [", N, ", ", V, "]");
+    const float *a = xp + r * K, *b = wp + c * K;
+    vec acc{};
+    for (int64_t k = 0; k < body; k += VL) acc += load(a + k) * load(b + k);
+    float v = llm::hsum(acc);
+    for (int64_t k = body; k < K; ++k) v += a[k] * b[k];
+    if (v > best[r] || tok[r] == V) {
+      best[r] = v;
+      tok[r] = c;
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llm_kernels, m) {
@@ -574,6 +614,8 @@ TORCH_LIBRARY_FRAGMENT(llm_kernels, m) {
   m.def("int8_screen(Tensor xq, Tensor xs, Tensor packed, int out_features) -> Tensor",
         &int8_screen);
 #endif
+  m.def("candidate_argmax(Tensor x, Tensor weight, Tensor rows, Tensor cols) -> Tensor",
+        &candidate_argmax);
   m.def("screen_candidates(Tensor estimate, Tensor a, Tensor b, Tensor w, Tensor dw) -> "
         "(Tensor, Tensor)",
         &screen_candidates);
