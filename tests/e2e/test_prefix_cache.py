@@ -43,7 +43,21 @@ class Counters:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        # An engine publishes its counters after a step, at most every 0.05 s
+        # (serving/metrics.py): the last step's may land just after the client has its answer.
+        # Read until they settle.
+        def ours(metrics: dict[str, Any]) -> dict[str, Any]:
+            return {k: v for k, v in metrics.items() if k.startswith("llm_")}
+
         self.after = self.server.metrics()
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline:
+            time.sleep(0.15)
+            again = self.server.metrics()
+            settled = ours(again) == ours(self.after)
+            self.after = again
+            if settled:
+                break
 
     def delta(self, name: str, **labels: str) -> float:
         return metric_sum(self.after, name, **labels) - metric_sum(self.before, name, **labels)
