@@ -13,10 +13,9 @@ native kernel estimates all of them from roundings x0 of x and w0 of W, packed o
 
 A bound on each estimate's error leaves only the few tokens whose logit could be the largest
 (`screen_candidates`); their logits are then computed in float32 from the float32 weight
-(`candidate_argmax`). The
-token is the argmax of those float32 logits, so the same token as computing every logit in
-float32 (the lowest index among equal largest values, as `max` picks), whatever the estimates'
-errors, because for every row x and token w
+(`candidate_argmax`). The token is the argmax of those float32 logits, so the same token as
+computing every logit in float32 (the lowest index among equal largest values, as `max`
+picks), whatever the estimates' errors, because for every row x and token w
 
     |x . w - x0 . w0| <= |x - x0| |w| + |x0| |w - w0|       (Cauchy-Schwarz, term by term)
 
@@ -36,7 +35,7 @@ import torch
 
 from python_backends.models import kernels
 
-GROUP = 64  # inputs of x per int8 scale (csrc/linear.cpp's kGroup)
+GROUP = 64  # inputs per int8 scale, on x and on W (csrc/linear.cpp's kGroup)
 
 
 def bf16_round(x: torch.Tensor) -> torch.Tensor:
