@@ -178,7 +178,8 @@ class Scheduler:
     def _draft(self, seq: Sequence, budget: int, adapts: bool) -> tuple[int, ...]:
         """A decoding sequence's draft for this step (engine.speculative): at most `budget`
         tokens, and none past the sequence's max_tokens or the engine's max_seq_len; as long as
-        a match allows unless the step `adapts` (SpeculationConfig.free_rows)."""
+        a match allows unless the step `adapts` (SpeculationConfig.free_rows): then as long as
+        the sequence's record makes likely enough to be kept (SpeculationConfig.draft_length)."""
         spec, p = self.speculation, seq.params
         if (not spec.enabled or not p.greedy or p.needs_logits_processing
                 or seq.prefill_only):
@@ -190,8 +191,8 @@ class Scheduler:
             seq.ngrams = NgramIndex(spec.ngram_lengths)
         room = min(p.max_tokens - seq.num_output_tokens,
                    self.limits.max_seq_len - seq.num_tokens) - 1
-        longest = (spec.num_tokens if seq.draft_limit is None or not adapts
-                   else seq.draft_limit)
+        longest = (spec.draft_length(seq.acceptance, len(self.running)) if adapts
+                   else spec.num_tokens)
         limit = min(longest, budget, room)
         return grammar_draft(seq, tuple(seq.ngrams.draft(seq.token_ids(), limit)))
 
@@ -273,8 +274,11 @@ class Scheduler:
             kept = drawn - 1
             self.num_draft_tokens += len(draft)
             self.num_accepted_tokens += kept
-            seq.draft_limit = min(self.speculation.num_tokens, kept + 1)
-            seq.draft_misses = 0 if kept else seq.draft_misses + 1
+            seq.acceptance.record(len(draft), kept)
+            if seq.acceptance.rate >= self.speculation.min_acceptance(len(self.running)):
+                seq.draft_misses = 0
+            elif kept < len(draft):  # a probe wholly kept holds the pause where it is
+                seq.draft_misses += 1
             seq.draft_pause = self.speculation.draft_pause(seq.draft_misses)
         return drawn, reason
 

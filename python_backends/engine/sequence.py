@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from python_backends.engine.speculative import NgramIndex
+from python_backends.engine.speculative import Acceptance, NgramIndex
 from python_backends.params import FinishReason, SamplingParams
 from python_backends.prefix_hash import BlockHash, block_hash
 
@@ -60,11 +60,10 @@ class Sequence:
     cache_salt: str = ""
     num_cached_blocks: int = 0
     # Speculative decoding (engine.speculative): the sequence's n-gram index, made when it first
-    # drafts, and its next draft's longest length (one more than its last draft kept; None:
-    # the engine's longest).
+    # drafts, and how often its draft tokens were kept lately.
     ngrams: NgramIndex | None = field(default=None, repr=False)
-    draft_limit: int | None = None
-    draft_misses: int = 0  # drafts in a row of which nothing was kept
+    acceptance: Acceptance = field(default_factory=Acceptance, repr=False)
+    draft_misses: int = 0  # drafts in a row with a refusal that left `acceptance` too low
     draft_pause: int = 0  # decode steps left before it drafts again
     # Structured output: the llguidance matcher of a guided sequence (engine.guided), fed every
     # token it appends.

@@ -16,6 +16,7 @@ sampling depend on the tokens before each position, which the draft would have t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 MAX_DRAFT_PAUSE = 32  # steps: the longest a sequence whose drafts keep failing stops drafting
 
@@ -23,29 +24,42 @@ MAX_DRAFT_PAUSE = 32  # steps: the longest a sequence whose drafts keep failing 
 @dataclass(frozen=True)
 class SpeculationConfig:
     """`num_tokens`: the longest draft (0: off). `ngram_max`..`ngram_min`: the n-gram lengths
-    looked up, longest first. `adaptive`: each sequence's drafts follow its own acceptance (a
-    draft is one token longer than its last one kept, and a sequence whose drafts keep failing
-    pauses drafting, `draft_pause`) in steps of more than `free_rows` rows; else, and in steps
-    that small, every draft is as long as a match allows.
+    looked up, longest first. `adaptive`: in steps of more than `free_rows` rows each sequence
+    drafts only the tokens likely enough to be kept to pay for their rows (`draft_length`), and
+    a sequence whose record says its drafts do not pay pauses drafting (`draft_pause`), probing
+    with one token now and then; else, and in steps that small, every draft is as long as a
+    match allows.
 
     `free_rows`: a step of that many rows or fewer (running sequences x (num_tokens + 1)) is
     bound by reading the weights, not by arithmetic (the native kernel's tiles are 12 rows: one
     pass over the weights serves them all), so drafts there cost next to nothing however often
     they fail, and pausing them only loses the ones that would have been kept. Measured on the
     chat workload at concurrency 1 (engine alone, 2-core AMD EPYC): fixed drafting 1.27-1.53x
-    drafting off against adaptive's 1.16-1.35x; from concurrency 8 on adaptive is ahead."""
+    drafting off against adaptive's 1.16-1.35x.
+
+    `overhead_rows`: past `free_rows` a step's time grows with its rows, as about
+    `overhead_rows` + rows row-times (what a step costs besides its rows: reading the weights,
+    the engine's own work). A step of n sequences yields about n tokens in n + overhead_rows
+    row-times, so one more row, a draft token kept with chance p, pays only if p is at least
+    n / (n + overhead_rows) (`min_acceptance`): 0.62 at 8 sequences, 0.86 at 32. Measured (engine
+    alone, 2-core AMD EPYC): at 32 sequences drafts kept 99% of the time gained 6-8% over drafting
+    off, which makes the overhead about 5 rows, and drafting every match on chat text (35% kept)
+    cost 16%."""
 
     num_tokens: int = 0
     ngram_max: int = 3
     ngram_min: int = 2
     adaptive: bool = True
     free_rows: int = 16
+    overhead_rows: float = 5.0
 
     def __post_init__(self) -> None:
         if self.num_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_tokens}")
         if self.free_rows < 0:
             raise ValueError(f"free_rows must be >= 0, got {self.free_rows}")
+        if self.overhead_rows <= 0:
+            raise ValueError(f"overhead_rows must be > 0, got {self.overhead_rows}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, "
                              f"{self.ngram_max}")
@@ -58,16 +72,52 @@ class SpeculationConfig:
         """Whether drafts adapt in a step of `running` sequences (see `free_rows`)."""
         return self.adaptive and running * (self.num_tokens + 1) > self.free_rows
 
+    def min_acceptance(self, running: int) -> float:
+        """The least chance of being kept for which a draft token pays in a step of `running`
+        sequences that adapts (see `overhead_rows`)."""
+        return running / (running + self.overhead_rows)
+
+    def draft_length(self, acceptance: Acceptance, running: int) -> int:
+        """The longest draft whose last token a sequence with `acceptance` keeps with at least
+        `min_acceptance(running)` chance (a token is kept only if the ones before it are), at
+        least 1: a sequence below that is paused (`draft_pause`) and probes with one token."""
+        q, least, n = acceptance.rate, self.min_acceptance(running), 1
+        while n < self.num_tokens and q ** (n + 1) >= least:
+            n += 1
+        return n
+
     def draft_pause(self, misses: int) -> int:
-        """The steps a sequence drafts nothing after `misses` drafts in a row of which nothing
-        was kept: 1, 3, 7, ... up to MAX_DRAFT_PAUSE, so text that does not repeat itself
-        costs at most a draft now and then, and text that starts repeating drafts again soon."""
+        """The steps a sequence drafts nothing after `misses` drafts in a row that had a token
+        refused and left its record below `min_acceptance`: 1, 3, 7, ... up to MAX_DRAFT_PAUSE,
+        so text that does not repeat itself costs at most a probe now and then, and text that
+        starts repeating drafts again soon."""
         return min(2 ** misses - 1, MAX_DRAFT_PAUSE) if self.adaptive and misses else 0
 
     @property
     def ngram_lengths(self) -> tuple[int, ...]:
         """The n-gram lengths looked up, longest first."""
         return tuple(range(self.ngram_max, self.ngram_min - 1, -1))
+
+
+@dataclass
+class Acceptance:
+    """A sequence's recent record of draft tokens: `kept` of `tried`, each draft's counts
+    weighted `DECAY` times the one after it, from a prior of 1.5 kept in 2. A token is tried
+    only if the ones before it were kept, so `rate` estimates the chance that a draft token is
+    kept given that the one before it was."""
+
+    DECAY: ClassVar[float] = 0.75
+    kept: float = 1.5
+    tried: float = 2.0
+
+    @property
+    def rate(self) -> float:
+        return self.kept / self.tried
+
+    def record(self, drafted: int, kept: int) -> None:
+        """A draft of `drafted` tokens of which the first `kept` were kept."""
+        self.kept = self.DECAY * self.kept + kept
+        self.tried = self.DECAY * self.tried + min(kept + 1, drafted)
 
 
 @dataclass

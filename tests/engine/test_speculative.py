@@ -3,6 +3,7 @@ Face's greedy output, token for token, whatever the drafts were)."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 
 from python_backends.config import EngineLimits
 from python_backends.engine.llm_engine import LLMEngine, TokenEvent
-from python_backends.engine.speculative import NgramIndex, SpeculationConfig
+from python_backends.engine.speculative import Acceptance, NgramIndex, SpeculationConfig
 from python_backends.params import FinishReason, SamplingParams
 from tests.conftest import TinyModel, prompts
 from tests.engine.test_llm_engine import run_all
@@ -235,29 +236,34 @@ def _never_kept(tiny_llama: TinyModel, spec: SpeculationConfig, p: list[int],
     return engine, oracle
 
 
+# A lone sequence's steps adapt as a large batch's do (no free rows), with a draft token paying
+# only if kept at least 80% of the time (1 / (1 + 0.25)), as at 20 sequences by default.
+LIKE_A_LARGE_BATCH = functools.partial(SpeculationConfig, 4, free_rows=0, overhead_rows=0.25)
+
+
 @pytest.mark.parametrize("adaptive", [True, False])
 def test_drafts_that_keep_failing_pause_and_come_back_when_they_pay(
         tiny_llama: TinyModel, adaptive: bool) -> None:
     """Adaptive: a sequence whose drafts are never kept drafts less and less often (pauses of
     1, 3, 7, 15 steps), so it costs next to nothing; fixed drafts at every step. Either way
-    the output is HF's."""
+    the output is HF's. Drafts that start paying hold the pause, and once the record clears
+    the bar, end it and grow."""
     p = prompts(1, seed=5)[0]
     want = tiny_llama.greedy(p, 40)
-    # free_rows 0: a lone sequence's steps adapt as a large batch's do
-    engine, oracle = _never_kept(
-        tiny_llama, SpeculationConfig(4, adaptive=adaptive, free_rows=0), p, want)
+    engine, oracle = _never_kept(tiny_llama, LIKE_A_LARGE_BATCH(adaptive=adaptive), p, want)
     # adaptive: drafts at decode steps 1, 3, 7, 15, 31 (each pause doubling), fixed: all 39
     assert oracle.calls == (5 if adaptive else 39)
     assert _drafts(engine)[1] == 0
-    # drafts that start paying reset the pauses: most later tokens come from drafts
-    engine = tiny_llama.engine(speculation=SpeculationConfig(4, free_rows=0))
+    # drafts right from the third on: probes every 4 steps until the record clears 80%, then
+    # drafts at every step (without drafts the 40 tokens take 40 steps)
+    engine = tiny_llama.engine(speculation=LIKE_A_LARGE_BATCH())
     seq = engine.add_request("t", p, SamplingParams(max_tokens=40))
     seq.ngrams = Wrong(p, want, good_after=2)  # type: ignore[assignment]
     steps = 0
     while engine.has_unfinished:
         engine.step()
         steps += 1
-    assert seq.output_ids == want and steps < 20
+    assert seq.output_ids == want and steps <= 25
 
 
 def test_steps_of_few_rows_draft_at_every_step_however_drafts_fare(tiny_llama: TinyModel) -> None:
@@ -269,3 +275,25 @@ def test_steps_of_few_rows_draft_at_every_step_however_drafts_fare(tiny_llama: T
     engine, oracle = _never_kept(tiny_llama, SpeculationConfig(4), p, want)
     full_length = sum(min(4, 39 - done) for done in range(1, 40))  # all the room left allows
     assert oracle.calls == 39 and _drafts(engine) == (full_length, 0)
+
+
+def test_a_draft_token_pays_if_kept_as_often_as_the_batch_needs() -> None:
+    """A token is tried only if the ones before it were kept; the bar rises with the batch
+    (n / (n + overhead_rows)); a record that clears it drafts the tokens that clear it too."""
+    spec = SpeculationConfig(4)
+    assert spec.min_acceptance(8) == pytest.approx(8 / 13)
+    assert spec.min_acceptance(32) == pytest.approx(32 / 37)
+    record = Acceptance()
+    assert record.rate == 0.75  # the prior: one token at 8 sequences (0.75^2 < 8 / 13)
+    assert spec.draft_length(record, 8) == 1
+    record.record(4, 1)  # the second token refused: two tried, one kept
+    assert (record.kept, record.tried) == (0.75 * 1.5 + 1, 0.75 * 2 + 2)
+    for _ in range(8):
+        record.record(4, 4)
+    assert record.rate > 0.95 and spec.draft_length(record, 32) == 4
+    assert SpeculationConfig(2).draft_length(record, 32) == 2  # never past num_tokens
+    record.record(4, 0)  # a miss at the first token: shorter drafts in a large batch
+    assert 0.9 < record.rate < 0.92 and spec.draft_length(record, 32) == 1
+    assert spec.draft_length(record, 8) == 4
+    with pytest.raises(ValueError, match="overhead_rows"):
+        SpeculationConfig(4, overhead_rows=0)
