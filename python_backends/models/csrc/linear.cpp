@@ -328,6 +328,11 @@ struct Int8Panel {
   const float* scales(const uint8_t* p) const {
     return reinterpret_cast<const float*>(p + K4 * NR * 4 + groups * NR * 4);
   }
+  // The same places in a panel being packed.
+  int32_t* offsets(uint8_t* p) const { return reinterpret_cast<int32_t*>(p + K4 * NR * 4); }
+  float* scales(uint8_t* p) const {
+    return reinterpret_cast<float*>(p + K4 * NR * 4 + groups * NR * 4);
+  }
 };
 
 // dst[r, 0:cols] = the estimate for R rows; xq [R][K4] of 4 unsigned bytes, xs [R][groups].
@@ -397,8 +402,8 @@ at::Tensor pack_int8_screen(const at::Tensor& q_in, const at::Tensor& scale_in) 
   for (int64_t p = 0; p < P; ++p) {
     uint8_t* panel = out.mutable_data_ptr<uint8_t>() + p * shape.bytes();
     auto* w = reinterpret_cast<int8_t*>(panel);
-    auto* off = const_cast<int32_t*>(shape.offsets(panel));
-    auto* sw = const_cast<float*>(shape.scales(panel));
+    int32_t* off = shape.offsets(panel);
+    float* sw = shape.scales(panel);
     for (int64_t j = 0; j < NR && p * NR + j < V; ++j) {
       const int8_t* row = qp + (p * NR + j) * K;
       for (int64_t k = 0; k < K; ++k) {
@@ -577,7 +582,7 @@ at::Tensor candidate_argmax(const at::Tensor& x_in, const at::Tensor& w_in, cons
               "candidate_argmax: int64 rows and cols [M]");
   const at::Tensor x = x_in.contiguous(), w = w_in.contiguous(), rt = rows_in.contiguous(),
                    ct = cols_in.contiguous();
-  const int64_t N = x.size(0), K = x.size(1), V = w.size(0), M = rt.size(0), body = K / VL * VL;
+  const int64_t N = x.size(0), K = x.size(1), V = w.size(0), M = rt.size(0);
   const float *xp = x.const_data_ptr<float>(), *wp = w.const_data_ptr<float>();
   const int64_t *rows = rt.const_data_ptr<int64_t>(), *cols = ct.const_data_ptr<int64_t>();
   at::Tensor out = at::full({N}, V, at::TensorOptions().dtype(at::kLong));
@@ -587,11 +592,7 @@ at::Tensor candidate_argmax(const at::Tensor& x_in, const at::Tensor& w_in, cons
     const int64_t r = rows[m], c = cols[m];
     TORCH_CHECK(r >= 0 && r < N && c >= 0 && c < V, "candidate_argmax: (", r, ", ", c,
                 ") outside [", N, ", ", V, "]");
-    const float *a = xp + r * K, *b = wp + c * K;
-    vec acc{};
-    for (int64_t k = 0; k < body; k += VL) acc += load(a + k) * load(b + k);
-    float v = llm::hsum(acc);
-    for (int64_t k = body; k < K; ++k) v += a[k] * b[k];
+    const float v = llm::dot(xp + r * K, wp + c * K, K);
     if (v > best[r] || tok[r] == V) {
       best[r] = v;
       tok[r] = c;

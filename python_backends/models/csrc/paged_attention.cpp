@@ -91,11 +91,7 @@ struct Scalar {
 struct Vectorized {
   static constexpr int64_t kAhead = 8;
 
-  static float dot(const float* q, const float* k, int64_t D) {
-    llm::vec a = llm::vec{};
-    for (int64_t d = 0; d < D; d += llm::VL) a += llm::load(q + d) * llm::load(k + d);
-    return llm::hsum(a);
-  }
+  static float dot(const float* q, const float* k, int64_t D) { return llm::dot(q, k, D); }
 
   static void axpy(float* a, float p, const float* v, int64_t D) {
     for (int64_t d = 0; d < D; d += llm::VL)

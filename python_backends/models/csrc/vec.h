@@ -34,6 +34,16 @@ inline float hsum(vec v) {
   return (h4[0] + h4[2]) + (h4[1] + h4[3]);
 }
 
+// The dot product of a[0..n) and b[0..n): lanes tree-summed (hsum), then the tail in order.
+inline float dot(const float* a, const float* b, int64_t n) {
+  const int64_t body = n / VL * VL;
+  vec acc{};
+  for (int64_t k = 0; k < body; k += VL) acc += load(a + k) * load(b + k);
+  float s = hsum(acc);
+  for (int64_t k = body; k < n; ++k) s += a[k] * b[k];
+  return s;
+}
+
 // exp(x) lane by lane for x <= 0 (scores minus their maximum), within about 2 ulp; below -87
 // (where exp leaves float's normal range) it returns exp(-87.3), about 1e-38.
 inline vec exp_nonpositive(vec x) {
