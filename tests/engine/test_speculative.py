@@ -254,8 +254,8 @@ def test_drafts_that_keep_failing_pause_and_come_back_when_they_pay(
     # adaptive: drafts at decode steps 1, 3, 7, 15, 31 (each pause doubling), fixed: all 39
     assert oracle.calls == (5 if adaptive else 39)
     assert _drafts(engine)[1] == 0
-    # drafts right from the third on: probes every 4 steps until the record clears 80%, then
-    # drafts at every step (without drafts the 40 tokens take 40 steps)
+    # the oracle right from its third draft on: one-token probes every 4 steps until the
+    # record clears 80%, then drafts at every step (without drafts the 40 tokens take 40 steps)
     engine = tiny_llama.engine(speculation=LIKE_A_LARGE_BATCH())
     seq = engine.add_request("t", p, SamplingParams(max_tokens=40))
     seq.ngrams = Wrong(p, want, good_after=2)  # type: ignore[assignment]
