@@ -30,16 +30,10 @@ void check_float_cpu(const at::Tensor& t, const char* op, const char* name) {
 
 // y = x / sqrt(mean(x^2) + eps) * w, for one row of E features.
 void norm_row(const float* x, const float* w, float* y, int64_t E, float eps) {
-  vec acc{};
-  int64_t i = 0;
-  for (; i + VL <= E; i += VL) {
-    const vec v = load(x + i);
-    acc += v * v;
-  }
-  float squares = llm::hsum(acc);
-  for (; i < E; ++i) squares += x[i] * x[i];
+  const float squares = llm::dot(x, x, E);
   const float inv = 1.f / std::sqrt(squares / static_cast<float>(E) + eps);
-  for (i = 0; i + VL <= E; i += VL) store(y + i, load(x + i) * inv * load(w + i));
+  int64_t i = 0;
+  for (; i + VL <= E; i += VL) store(y + i, load(x + i) * inv * load(w + i));
   for (; i < E; ++i) y[i] = x[i] * inv * w[i];
 }
 

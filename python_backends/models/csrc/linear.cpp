@@ -320,19 +320,20 @@ constexpr int64_t kGroup = 64;  // inputs per scale: 16 vpdpbusd a sum
 
 struct Int8Panel {
   int64_t K4, groups;  // 4-byte steps of k, groups of kGroup inputs
-  int64_t bytes() const { return K4 * NR * 4 + 2 * groups * NR * 4; }
+  // Byte offsets in a panel: the weights at 0, then the offsets, then the scales.
+  int64_t offsets_at() const { return K4 * NR * 4; }
+  int64_t scales_at() const { return offsets_at() + groups * NR * 4; }
+  int64_t bytes() const { return scales_at() + groups * NR * 4; }
   const int8_t* weights(const uint8_t* p) const { return reinterpret_cast<const int8_t*>(p); }
   const int32_t* offsets(const uint8_t* p) const {
-    return reinterpret_cast<const int32_t*>(p + K4 * NR * 4);
+    return reinterpret_cast<const int32_t*>(p + offsets_at());
   }
   const float* scales(const uint8_t* p) const {
-    return reinterpret_cast<const float*>(p + K4 * NR * 4 + groups * NR * 4);
+    return reinterpret_cast<const float*>(p + scales_at());
   }
   // The same places in a panel being packed.
-  int32_t* offsets(uint8_t* p) const { return reinterpret_cast<int32_t*>(p + K4 * NR * 4); }
-  float* scales(uint8_t* p) const {
-    return reinterpret_cast<float*>(p + K4 * NR * 4 + groups * NR * 4);
-  }
+  int32_t* offsets(uint8_t* p) const { return reinterpret_cast<int32_t*>(p + offsets_at()); }
+  float* scales(uint8_t* p) const { return reinterpret_cast<float*>(p + scales_at()); }
 };
 
 // dst[r, 0:cols] = the estimate for R rows; xq [R][K4] of 4 unsigned bytes, xs [R][groups].
