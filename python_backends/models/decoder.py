@@ -286,11 +286,14 @@ class CausalLM(nn.Module):
             for m, start, numel in zip(linears, itertools.accumulate([0, *numels]), numels,
                                        strict=False):
                 m.pack_native(functools.partial(kernel.pack, out=arena[start:start + numel]),
-                              kernel.op)
+                              kernel.op, kernel.blocks)
             self.native_linears = True
+            blocked = sum(m.native_blocks is not None for m in linears)
             log.info("projections: native float32 kernel on the engine thread and an idle-CPU "
-                     "helper; greedy rows' LM head %s", "screened (models.greedy_head)"
-                     if self.greedy_head is not None else "in full")
+                     "helper; %d of %d read as exact 4-bit blocks in steps of few rows "
+                     "(models.weight_blocks); greedy rows' LM head %s", blocked, len(linears),
+                     "screened (models.greedy_head)" if self.greedy_head is not None
+                     else "in full")
             return len(linears)
         try_plain = float32 and keep_plain is not False
         packed = [m for m in linears if m.pack(keep_plain=try_plain)]

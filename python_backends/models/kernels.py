@@ -31,11 +31,12 @@ from typing import Any
 import torch
 
 from python_backends.config import PROJECT_ROOT
-from python_backends.models import cpu_isa
+from python_backends.models import cpu_isa, weight_blocks
 
 log = logging.getLogger(__name__)
 
 SWITCH_ENV = "LLM_NATIVE_KERNELS"  # "0", "off", "false" or "no": torch ops only
+BLOCKS_ENV = "LLM_WEIGHT_BLOCKS"  # "0": projections read float32 panels only (NativeLinear.blocks)
 NAME = "llm_kernels"
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(sorted(CSRC.glob("*.cpp")))
@@ -173,12 +174,26 @@ def layer_ops(x: torch.Tensor) -> Any | None:
 
 @dataclass(frozen=True)
 class NativeLinear:
-    """The float32 projection kernel: `op(x [T, k], packed, n)` computes x W^T on the calling
-    thread and an idle-CPU helper (csrc/idle_helper.h), from a weight W [n, k] that `pack` has
-    laid out in panels of `panel` output features (`packed_shape(n, k)`)."""
+    """The float32 projection kernel: `op(x [T, k], packed, n, blocks)` computes x W^T on the
+    calling thread and an idle-CPU helper (csrc/idle_helper.h), from a weight W [n, k] that
+    `pack` has laid out in panels of `panel` output features (`packed_shape(n, k)`); calls of
+    few rows read W's exact 4-bit blocks instead where `blocks` found them."""
 
     panel: int
-    op: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+    op: Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor | None], torch.Tensor]
+
+    @staticmethod
+    def blocks(weight: torch.Tensor) -> torch.Tensor | None:
+        """W's Q4_1 blocks packed for the kernel (models.weight_blocks: the same float32
+        values, bit for bit, in a fifth of the bytes), or None: W is not made of them, or
+        `LLM_WEIGHT_BLOCKS=0`."""
+        if os.environ.get(BLOCKS_ENV, "1").strip() == "0":
+            return None
+        found = weight_blocks.q4_1_blocks(weight)
+        if found is None:
+            return None
+        packed = torch.ops.llm_kernels.pack_blocks(weight, found.q, found.d, found.m)
+        return packed if packed.numel() else None
 
     def packed_shape(self, n: int, k: int) -> tuple[int, int, int]:
         return (-(-n // self.panel), k, self.panel)

@@ -20,7 +20,8 @@ from torch import nn
 
 from python_backends.parallel.context import ParallelContext
 
-NativeOp = Callable[[torch.Tensor, Any, int], torch.Tensor]  # (x [T, in], packed, out) -> [T, out]
+# (x [T, in], packed, out, blocks) -> [T, out]
+NativeOp = Callable[[torch.Tensor, Any, int, torch.Tensor | None], torch.Tensor]
 
 
 def int8_supported() -> str | None:
@@ -69,6 +70,7 @@ class Linear(nn.Linear):
     quantized: Any = None  # int8 weights packed for fbgemm (quantize_int8)
     native: torch.Tensor | None = None  # the weight as `native_op` reads it (pack_native)
     native_op: NativeOp | None = None
+    native_blocks: torch.Tensor | None = None  # the weight's exact 4-bit blocks (pack_native)
 
     def quantize_int8(self) -> None:
         """Keep the weight as int8, one scale per output feature (symmetric), packed for
@@ -96,14 +98,17 @@ class Linear(nn.Linear):
         self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
         return True
 
-    def pack_native(self, pack: Callable[[torch.Tensor], torch.Tensor], op: NativeOp) -> bool:
+    def pack_native(self, pack: Callable[[torch.Tensor], torch.Tensor], op: NativeOp,
+                    blocks: Callable[[torch.Tensor], torch.Tensor | None] | None = None) -> bool:
         """Compute with a native kernel from now on (the engine's float32 CPU projection,
         python_backends.models.kernels): `pack` lays the weight out for `op(x, packed,
-        out_features)`. float32 CPU weights without bias only; False, and nothing changed,
-        for others."""
+        out_features, blocks)`, and `blocks`, if given, finds the weight's exact 4-bit blocks
+        (None where it has none). float32 CPU weights without bias only; False, and nothing
+        changed, for others."""
         weight = self.weight.detach()
         if weight.device.type != "cpu" or weight.dtype != torch.float32:
             return False
+        self.native_blocks = blocks(weight) if blocks is not None else None
         self.native, self.native_op = pack(weight), op
         self.weight = nn.Parameter(torch.empty(0, dtype=weight.dtype), requires_grad=False)
         return True
@@ -127,7 +132,8 @@ class Linear(nn.Linear):
         """x W^T, without the bias."""
         if self.native_op is not None:
             rows = x.reshape(-1, x.shape[-1])
-            return self.native_op(rows, self.native, self.out_features).view(
+            return self.native_op(rows, self.native, self.out_features,
+                                  self.native_blocks).view(
                 *x.shape[:-1], self.out_features)
         if self.plain is not None and x.shape[0] == 1:
             return F.linear(x, self.plain)

@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from python_backends.models import cpu_isa, kernels
+from python_backends.models.weight_blocks import q4_1_blocks
+from tests.models.test_weight_blocks import gguf_q4_1
 
 
 @pytest.fixture(scope="module")
@@ -79,8 +81,8 @@ def test_a_weight_packed_again_in_place_is_read_anew(ops, helper):
     for seed in range(3):
         w = torch.randn(3000, 576, generator=torch.Generator().manual_seed(seed)) / 24
         kernel.pack(w, out=packed)
-        torch.testing.assert_close(kernel.op(x, packed, 3000).double(), x.double() @ w.double().T,
-                                   rtol=0, atol=2e-5)
+        got = kernel.op(x, packed, 3000, None).double()
+        torch.testing.assert_close(got, x.double() @ w.double().T, rtol=0, atol=2e-5)
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="the helper needs a second CPU")
@@ -187,4 +189,43 @@ def test_packs_into_memory_the_caller_gives(ops):
     packed = kernel.pack(w, out=arena[3:-3])
     assert packed.data_ptr() == arena[3:].data_ptr() and packed.shape == shape
     assert (arena[:3] == -1).all() and (arena[-3:] == -1).all()
-    torch.testing.assert_close(kernel.op(torch.eye(64), packed, 100), w.T)
+    torch.testing.assert_close(kernel.op(torch.eye(64), packed, 100, None), w.T)
+
+
+# Weights made of Q4_1 blocks (models/weight_blocks.py): few-row calls read the blocks.
+BLOCK_SHAPES = [(1, 64, 96), (3, 576, 960), (12, 576, 7), (5, 1536, 576), (13, 576, 100),
+                (40, 64, 33)]
+
+
+@pytest.mark.parametrize(("rows", "k", "n"), BLOCK_SHAPES)
+def test_calls_reading_the_blocks_equal_the_float_panels_bit_for_bit(ops, helper, rows, k, n):
+    w = gguf_q4_1(n, k, seed=rows)
+    found = q4_1_blocks(w)
+    assert found is not None
+    blocks = ops.pack_blocks(w, found.q, found.d, found.m)
+    assert blocks.numel() > 0
+    packed = ops.pack_linear_weight(w)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    assert torch.equal(ops.linear(x, packed, n, blocks), ops.linear(x, packed, n))
+    torch.testing.assert_close(ops.linear(x, packed, n, blocks).double(),
+                               x.double() @ w.double().T, rtol=0, atol=2e-5)
+
+
+def test_blocks_that_do_not_give_back_the_weight_are_not_packed(ops):
+    w = gguf_q4_1(40, 64)
+    found = q4_1_blocks(w)
+    assert found is not None
+    w[33, 5] = torch.nextafter(w[33, 5], torch.tensor(9.0))
+    assert ops.pack_blocks(w, found.q, found.d, found.m).numel() == 0
+    with pytest.raises(RuntimeError, match="q must be in"):
+        ops.pack_blocks(w, found.q + 16, found.d, found.m)
+
+
+def test_native_linear_finds_blocks_unless_switched_off(ops, monkeypatch):
+    kernel = kernels.native_linear()
+    assert kernel is not None
+    w = gguf_q4_1(64, 64)
+    assert kernel.blocks(w) is not None
+    assert kernel.blocks(torch.randn(64, 64)) is None
+    monkeypatch.setenv(kernels.BLOCKS_ENV, "0")
+    assert kernel.blocks(w) is None

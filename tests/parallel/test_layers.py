@@ -162,8 +162,9 @@ def test_one_thread_engines_compute_projections_natively_and_match_hf(
     assert after.helper_taken_back >= before.helper_taken_back
 
 
-def fake_op(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
-    assert x.dim() == 2
+def fake_op(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+            blocks: torch.Tensor | None) -> torch.Tensor:
+    assert x.dim() == 2 and blocks is None
     return F.linear(x, packed)[:, :out_features]
 
 

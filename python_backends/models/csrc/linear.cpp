@@ -25,6 +25,7 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -45,22 +46,19 @@ constexpr int64_t NR = 2 * VL;  // output features per panel
 constexpr int64_t MR = VL == 16 ? 12 : 6;  // tokens per tile: 2 MR accumulators + 2 in registers
 constexpr int64_t kAhead = 16;   // weight rows prefetched ahead (a panel runs into the next)
 
-// dst[r, 0:cols] = x[r, :] . panel[:, 0:cols] for the R rows of a tile.
+// acc[r] += x[r, k] * (w0, w1) for the R rows of a tile: every tile's multiply-adds, in the
+// same order whatever the weights come from.
 template <int64_t R>
-inline void tile(const float* x, int64_t K, const float* panel, float* dst, int64_t ld, int64_t cols) {
-  vec acc[R][2];
-  for (int64_t r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vec{};
-  for (int64_t k = 0; k < K; ++k) {
-    __builtin_prefetch(panel + (k + kAhead) * NR);
-    __builtin_prefetch(panel + (k + kAhead) * NR + VL);
-    const vec w0 = load(panel + k * NR);
-    const vec w1 = load(panel + k * NR + VL);
-    for (int64_t r = 0; r < R; ++r) {
-      const float xv = x[r * K + k];
-      acc[r][0] += xv * w0;
-      acc[r][1] += xv * w1;
-    }
+inline void accumulate(vec (&acc)[R][2], const float* x, int64_t K, int64_t k, vec w0, vec w1) {
+  for (int64_t r = 0; r < R; ++r) {
+    const float xv = x[r * K + k];
+    acc[r][0] += xv * w0;
+    acc[r][1] += xv * w1;
   }
+}
+
+template <int64_t R>
+inline void store_tile(const vec (&acc)[R][2], float* dst, int64_t ld, int64_t cols) {
   for (int64_t r = 0; r < R; ++r) {
     if (cols == NR) {
       store(dst + r * ld, acc[r][0]);
@@ -72,6 +70,82 @@ inline void tile(const float* x, int64_t K, const float* panel, float* dst, int6
       std::memcpy(dst + r * ld, row, cols * sizeof(float));
     }
   }
+}
+
+// dst[r, 0:cols] = x[r, :] . panel[:, 0:cols] for the R rows of a tile.
+template <int64_t R>
+inline void tile(const float* x, int64_t K, const float* panel, float* dst, int64_t ld, int64_t cols) {
+  vec acc[R][2];
+  for (int64_t r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vec{};
+  for (int64_t k = 0; k < K; ++k) {
+    __builtin_prefetch(panel + (k + kAhead) * NR);
+    __builtin_prefetch(panel + (k + kAhead) * NR + VL);
+    accumulate<R>(acc, x, K, k, load(panel + k * NR), load(panel + k * NR + VL));
+  }
+  store_tile<R>(acc, dst, ld, cols);
+}
+
+// Weights made of 4-bit blocks (models/weight_blocks.py: GGUF Q4_1, w = fl(fl(d q) + m), one d
+// and m per kBlock inputs of a feature), packed per panel (pack_blocks): q [K][VL] bytes, byte i
+// of input k holding feature i's q in its low half and feature VL + i's in its high half, then d
+// and m [K / kBlock][NR] float32. A few-row call reads a fifth of the float32 panel's bytes and
+// computes on the same float32 weights, bit for bit.
+constexpr int64_t kBlock = 32;
+// Calls of at most this many rows read the blocks (one row tile: each weight dequantized once);
+// more rows compute enough per weight that reading float32 is as fast.
+constexpr int64_t kBlockRows = MR;
+
+struct BlockPanel {
+  int64_t K;
+  int64_t scales_at() const { return K * VL; }
+  int64_t mins_at() const { return scales_at() + K / kBlock * NR * 4; }
+  int64_t bytes() const { return mins_at() + K / kBlock * NR * 4; }
+  const float* scales(const uint8_t* p) const {
+    return reinterpret_cast<const float*>(p + scales_at());
+  }
+  const float* mins(const uint8_t* p) const { return reinterpret_cast<const float*>(p + mins_at()); }
+};
+
+// The NR q of one input from its VL bytes, as floats: (features 0..VL-1, VL..NR-1).
+inline void widen(const uint8_t* q, vec& lo, vec& hi) {
+  const auto* at = reinterpret_cast<const __m128i*>(q);
+#if defined(__AVX512F__)
+  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(at));
+  lo = (vec)_mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
+  hi = (vec)_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+#else
+  const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(at));
+  lo = (vec)_mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
+  hi = (vec)_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+#endif
+}
+
+// The NR weights of one input, fl(d q + m) in one FMA: a float16 d (11 significant bits) times
+// a 4-bit q is exact in float32, so this is gguf's fl(fl(d q) + m). pack_blocks checks it
+// against the float32 weights all the same.
+inline void dequantize(const uint8_t* q, const float* d, const float* m, vec& w0, vec& w1) {
+  widen(q, w0, w1);
+  w0 = w0 * load(d) + load(m);
+  w1 = w1 * load(d + VL) + load(m + VL);
+}
+
+template <int64_t R>
+inline void block_tile(const float* x, int64_t K, const uint8_t* panel, float* dst, int64_t ld,
+                       int64_t cols) {
+  const BlockPanel shape{K};
+  const float *ds = shape.scales(panel), *ms = shape.mins(panel);
+  vec acc[R][2];
+  for (int64_t r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vec{};
+  for (int64_t b = 0; b < K / kBlock; ++b) {
+    for (int64_t k = b * kBlock; k < (b + 1) * kBlock; ++k) {
+      const uint8_t* q = panel + k * VL;
+      __builtin_prefetch(q + 8 * kAhead * VL);
+      vec w0, w1;
+      dequantize(q, ds + b * NR, ms + b * NR, w0, w1);
+      accumulate<R>(acc, x, K, k, w0, w1);
+    }
+  }
+  store_tile<R>(acc, dst, ld, cols);
 }
 
 template <int64_t... Rs>
@@ -91,6 +165,22 @@ void panels(const float* x, int64_t T, int64_t K, const float* packed, int64_t n
                 std::make_integer_sequence<int64_t, MR>{});
     }
   }
+}
+
+template <int64_t... Rs>
+inline void block_tile_rows(int64_t rows, const float* x, int64_t K, const uint8_t* panel,
+                            float* dst, int64_t ld, int64_t cols,
+                            std::integer_sequence<int64_t, Rs...>) {
+  ((rows == Rs + 1 ? block_tile<Rs + 1>(x, K, panel, dst, ld, cols) : void()), ...);
+}
+
+// panels() from the blocks: rows [0, T) (T <= kBlockRows) of panels [p0, p1).
+void block_panels(const float* x, int64_t T, int64_t K, const uint8_t* packed, int64_t n,
+                  int64_t p0, int64_t p1, float* dst, int64_t ld) {
+  const int64_t bytes = BlockPanel{K}.bytes();
+  for (int64_t p = p0; p < p1; ++p)
+    block_tile_rows(T, x, K, packed + p * bytes, dst + (p - p0) * NR, ld,
+                    std::min(NR, n - p * NR), std::make_integer_sequence<int64_t, kBlockRows>{});
 }
 
 // How many panels one chunk of work holds: about kChunkSeconds of it, by the time a panel takes
@@ -205,6 +295,57 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
   return padded.view({P, NR, K}).transpose(1, 2).contiguous();  // [P, K, NR]
 }
 
+// The blocks of weight [N, K] (models/weight_blocks.py: q uint8 [N, K], d and m float32
+// [N, K / kBlock]) packed for block_tile, or an empty tensor where dequantize does not give
+// back every float32 weight bit for bit (then calls read the float32 panels alone).
+at::Tensor pack_blocks(const at::Tensor& weight_in, const at::Tensor& q_in, const at::Tensor& d_in,
+                       const at::Tensor& m_in) {
+  TORCH_CHECK(weight_in.device().is_cpu() && weight_in.scalar_type() == at::kFloat &&
+                  weight_in.dim() == 2 && weight_in.size(1) % kBlock == 0,
+              "pack_blocks: a float32 CPU weight [N, K], K a multiple of ", kBlock);
+  const int64_t N = weight_in.size(0), K = weight_in.size(1), P = (N + NR - 1) / NR;
+  TORCH_CHECK(q_in.scalar_type() == at::kByte && q_in.sizes() == weight_in.sizes(),
+              "pack_blocks: q uint8 [", N, ", ", K, "]");
+  for (const at::Tensor* t : {&d_in, &m_in})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->size(0) == N &&
+                    t->size(1) == K / kBlock,
+                "pack_blocks: d and m float32 [", N, ", ", K / kBlock, "]");
+  const at::Tensor weight = weight_in.contiguous(), q = q_in.contiguous(), d = d_in.contiguous(),
+                   m = m_in.contiguous();
+  const BlockPanel shape{K};
+  at::Tensor out = at::zeros({P, shape.bytes()}, at::TensorOptions().dtype(at::kByte));
+  const float *wp = weight.const_data_ptr<float>(), *dp = d.const_data_ptr<float>(),
+              *mp = m.const_data_ptr<float>();
+  const uint8_t* qp = q.const_data_ptr<uint8_t>();
+  for (int64_t p = 0; p < P; ++p) {
+    uint8_t* panel = out.mutable_data_ptr<uint8_t>() + p * shape.bytes();
+    auto* ds = reinterpret_cast<float*>(panel + shape.scales_at());
+    auto* ms = reinterpret_cast<float*>(panel + shape.mins_at());
+    for (int64_t j = 0; j < NR && p * NR + j < N; ++j) {
+      const int64_t row = p * NR + j;
+      for (int64_t k = 0; k < K; ++k) {
+        const uint8_t v = qp[row * K + k];
+        TORCH_CHECK(v < 16, "pack_blocks: q must be in [0, 15]");
+        panel[k * VL + j % VL] |= static_cast<uint8_t>(j < VL ? v : v << 4);
+      }
+      for (int64_t b = 0; b < K / kBlock; ++b) {
+        ds[b * NR + j] = dp[row * (K / kBlock) + b];
+        ms[b * NR + j] = mp[row * (K / kBlock) + b];
+      }
+    }
+    // Checked with the kernel's own arithmetic (padding features: zeros, as the float panels').
+    for (int64_t k = 0; k < K; ++k) {
+      vec w[2];
+      dequantize(panel + k * VL, ds + k / kBlock * NR, ms + k / kBlock * NR, w[0], w[1]);
+      float got[NR], want[NR];
+      std::memcpy(got, w, sizeof(got));
+      for (int64_t j = 0; j < NR; ++j) want[j] = p * NR + j < N ? wp[(p * NR + j) * K + k] : 0.f;
+      if (std::memcmp(got, want, sizeof(got)) != 0) return at::empty({0}, out.options());
+    }
+  }
+  return out;
+}
+
 using PanelsFn = std::function<void(int64_t, int64_t, int64_t, float*, int64_t)>;
 
 // out [T, n] = compute(t0, p0, p1, dst, ld) over chunks of panels [p0, p1) of one block of rows
@@ -240,7 +381,8 @@ void check_x(const char* op, const at::Tensor& x, const at::Tensor& packed) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, op, ": x float32 [T, K]");
 }
 
-at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n) {
+at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n,
+                  const std::optional<at::Tensor>& blocks) {
   check_x("linear", x_in, packed);
   TORCH_CHECK(packed.scalar_type() == at::kFloat && packed.dim() == 3 && packed.is_contiguous(),
               "linear: a weight from pack_linear_weight");
@@ -261,6 +403,19 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n) {
     panels(xp, T, K, wp, n, p0, p1, dst, ld);
   };
   double flops_per_s = 100e9;
+  int64_t weight_bytes = sizeof(float);
+  if (blocks.has_value() && blocks->numel() > 0 && T <= kBlockRows) {
+    TORCH_CHECK(blocks->scalar_type() == at::kByte && blocks->dim() == 2 &&
+                    blocks->is_contiguous() && blocks->size(0) == P &&
+                    blocks->size(1) == BlockPanel{K}.bytes(),
+                "linear: blocks from pack_blocks for this weight");
+    const uint8_t* bp = blocks->const_data_ptr<uint8_t>();
+    keep.push_back(*blocks);
+    weight_bytes = 2;  // a third of the bytes, but dequantizing: a panel takes about half as long
+    compute = [=](int64_t, int64_t p0, int64_t p1, float* dst, int64_t ld) {
+      block_panels(xp, T, K, bp, n, p0, p1, dst, ld);
+    };
+  }
 #ifdef LLM_AMX
   if (T >= kAmxRows && linear_amx()) {
     const RowBlocks rb = split_row_blocks(xp, T, K);
@@ -301,7 +456,7 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n) {
   }
 #endif
   run_panels(out, std::move(keep), P, row_blocks, block_rows,
-             panels_per_chunk(block_rows, K, sizeof(float), flops_per_s), std::move(compute));
+             panels_per_chunk(block_rows, K, weight_bytes, flops_per_s), std::move(compute));
   return out;
 }
 
@@ -608,7 +763,9 @@ TORCH_LIBRARY_FRAGMENT(llm_kernels, m) {
   m.def("linear_amx() -> bool", &linear_amx);
   m.def("screen_path() -> str", &screen_path);
   m.def("pack_linear_weight(Tensor weight) -> Tensor", &pack_linear_weight);
-  m.def("linear(Tensor x, Tensor packed, int out_features) -> Tensor", &linear);
+  m.def("pack_blocks(Tensor weight, Tensor q, Tensor d, Tensor m) -> Tensor", &pack_blocks);
+  m.def("linear(Tensor x, Tensor packed, int out_features, Tensor? blocks=None) -> Tensor",
+        &linear);
   m.def("pack_screen_weight(Tensor weight) -> Tensor", &pack_screen_weight);
   m.def("screen_linear(Tensor x, Tensor packed, int out_features) -> Tensor", &screen_linear);
 #ifdef __AVX512VNNI__

@@ -1,0 +1,81 @@
+"""Float32 weights that are exactly 4-bit blocks: found, so that few-row steps read them as such.
+
+A checkpoint dequantized from GGUF Q4_1 (the default model: SmolLM2's GGUF, dequantized by
+transformers at engine build) holds float32 weights that are, bit for bit, w = fl(fl(d * q) + m):
+for each output feature, every block of 32 consecutive inputs has one scale d and one minimum m
+(float16 values) and a 4-bit q in [0, 15] per weight, the product and the sum each rounded to
+float32 (gguf's dequantization, numpy float32). `q4_1_blocks` recovers (q, d, m) from the float32
+values alone (m is the block's minimum, where q = 0; d the float16 nearest (max - m) / 15, or a
+neighbour) and keeps them only if they give back every weight bit for bit. The native kernel
+(csrc/linear.cpp, `pack_blocks`, which checks once more with the kernel's own arithmetic) then
+reads a quarter of the bytes per weight on steps of few rows, where a step is bound by reading
+the weights, and computes on the very same float32 values: results equal the float32 panels'
+bit for bit. Weights that are not such blocks (a bfloat16 or float32 checkpoint) stay float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+BLOCK = 32  # inputs per (d, m)
+LEVELS = 15  # q in [0, LEVELS]
+
+
+@dataclass(frozen=True)
+class Q41Blocks:
+    """w[n, k] = fl(fl(d[n, k // 32] * q[n, k]) + m[n, k // 32]) exactly."""
+
+    q: torch.Tensor  # uint8 [N, K]
+    d: torch.Tensor  # float32 [N, K / 32]
+    m: torch.Tensor  # float32 [N, K / 32]
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.q.shape
+        q = self.q.view(n, k // BLOCK, BLOCK).float()
+        return torch.add(torch.mul(q, self.d[..., None]), self.m[..., None]).view(n, k)
+
+
+def _fp16_steps(d: torch.Tensor, step: int) -> torch.Tensor:
+    """`d` (float32 holding float16 values) moved `step` float16 values along (positive ones)."""
+    bits = d.half().view(torch.int16).to(torch.int32) + step
+    return bits.clamp(0, 0x7BFF).to(torch.int16).view(torch.float16).float()
+
+
+def q4_1_blocks(weight: torch.Tensor) -> Q41Blocks | None:
+    """The Q4_1 blocks that `weight` [N, K] (float32) is made of, or None where it is not made
+    of them (K not a multiple of 32, or a block no (d, m) reproduces bit for bit)."""
+    if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % BLOCK:
+        return None
+    w = weight.detach().cpu().contiguous()
+    n, k = w.shape
+    if w.numel() == 0:
+        return None
+    blocks = w.view(n, k // BLOCK, BLOCK)
+    m = blocks.amin(-1)
+    estimate = (blocks.amax(-1) - m) / LEVELS
+    if not torch.equal(m.half().float(), m) or not torch.isfinite(estimate).all():
+        return None  # a minimum that is no float16: not a Q4_1 block
+    want = blocks.view(torch.int32)
+    q = torch.zeros_like(w, dtype=torch.uint8).view(n, k // BLOCK, BLOCK)
+    d = torch.zeros_like(m)
+    todo = torch.ones_like(m, dtype=torch.bool)
+    for step in (0, -1, 1, -2, 2):
+        if not todo.any():
+            break
+        idx = todo.nonzero(as_tuple=True)
+        cand = _fp16_steps(estimate[idx], step)
+        mins, vals = m[idx], blocks[idx]
+        scale = torch.where(cand > 0, cand, torch.ones_like(cand))
+        levels = torch.round((vals - mins[:, None]) / scale[:, None]).clamp(0, LEVELS)
+        levels = torch.where(cand[:, None] > 0, levels, torch.zeros_like(levels))
+        got = torch.add(torch.mul(levels, cand[:, None]), mins[:, None])
+        ok = (got.view(torch.int32) == want[idx]).all(-1)
+        rows, cols = idx[0][ok], idx[1][ok]
+        q[rows, cols] = levels[ok].to(torch.uint8)
+        d[rows, cols] = cand[ok]
+        todo[rows, cols] = False
+    if todo.any():
+        return None
+    return Q41Blocks(q.view(n, k), d, m)

@@ -1,0 +1,46 @@
+"""Float32 weights found to be exact GGUF Q4_1 blocks (models/weight_blocks.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+
+from python_backends.models.weight_blocks import BLOCK, q4_1_blocks
+
+
+def gguf_q4_1(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    """A float32 weight as transformers gets it from a Q4_1 GGUF: quantized and dequantized by
+    the gguf package (llama.cpp's reference quantizer and dequantization)."""
+    w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32) / 10
+    w[0, :BLOCK] = 0.25  # a constant block: d = 0
+    q = quants.quantize(w, GGMLQuantizationType.Q4_1)
+    return torch.from_numpy(quants.dequantize(q, GGMLQuantizationType.Q4_1).copy())
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+@pytest.mark.parametrize("shape", [(1, 32), (96, 576), (7, 1536)])
+def test_blocks_give_back_every_weight_bit_for_bit(shape: tuple[int, int]) -> None:
+    w = gguf_q4_1(*shape)
+    found = q4_1_blocks(w)
+    assert found is not None
+    assert found.q.dtype == torch.uint8 and int(found.q.max()) <= 15
+    assert found.d.shape == found.m.shape == (shape[0], shape[1] // BLOCK)
+    assert torch.equal(bits(found.dequantize()), bits(w))
+    assert torch.equal(found.d.half().float(), found.d)  # float16 scales: d q exact
+
+
+def test_weights_that_are_not_blocks_are_refused() -> None:
+    assert q4_1_blocks(torch.randn(8, 64)) is None  # a float32 checkpoint
+    assert q4_1_blocks(torch.randn(8, 64).bfloat16().float()) is None  # a bfloat16 one
+    w = gguf_q4_1(8, 64)
+    assert q4_1_blocks(w[:, :48].contiguous()) is None  # inputs not in whole blocks
+    assert q4_1_blocks(w.double()) is None
+    assert q4_1_blocks(torch.empty(0, 64)) is None
+    one_off = w.clone()
+    one_off[3, 40] = torch.nextafter(one_off[3, 40], torch.tensor(1.0))  # one ulp
+    assert q4_1_blocks(one_off) is None
