@@ -192,7 +192,8 @@ def test_packs_into_memory_the_caller_gives(ops):
     torch.testing.assert_close(kernel.op(torch.eye(64), packed, 100, None), w.T)
 
 
-# Weights made of Q4_1 blocks (models/weight_blocks.py): few-row calls read the blocks.
+# Weights made of Q4_1 blocks (models/weight_blocks.py): calls of up to 12 rows (one tile) read
+# the blocks, more the float32 panels.
 BLOCK_SHAPES = [(1, 64, 96), (3, 576, 960), (12, 576, 7), (5, 1536, 576), (13, 576, 100),
                 (40, 64, 33)]
 
