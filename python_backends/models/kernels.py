@@ -184,15 +184,18 @@ class NativeLinear:
 
     @staticmethod
     def blocks(weight: torch.Tensor) -> torch.Tensor | None:
-        """W's Q4_1 blocks packed for the kernel (models.weight_blocks: the same float32
-        values, bit for bit, in a fifth of the bytes), or None: W is not made of them, or
+        """W's GGUF blocks packed for the kernel (models.weight_blocks: the same float32
+        values, bit for bit, from Q4_1 or Q8_0 blocks), or None: W is made of neither, or
         `LLM_WEIGHT_BLOCKS=0`."""
         if os.environ.get(BLOCKS_ENV, "1").strip() == "0":
             return None
-        found = weight_blocks.q4_1_blocks(weight)
-        if found is None:
+        ops = torch.ops.llm_kernels
+        if (q41 := weight_blocks.q4_1_blocks(weight)) is not None:
+            packed = ops.pack_blocks(weight, q41.q, q41.d, q41.m)
+        elif (q80 := weight_blocks.q8_0_blocks(weight)) is not None:
+            packed = ops.pack_blocks(weight, q80.q, q80.d)
+        else:
             return None
-        packed = torch.ops.llm_kernels.pack_blocks(weight, found.q, found.d, found.m)
         return packed if packed.numel() else None
 
     def packed_shape(self, n: int, k: int) -> tuple[int, int, int]:

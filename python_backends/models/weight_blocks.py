@@ -1,16 +1,21 @@
-"""Float32 weights that are exactly 4-bit blocks: found, so that few-row steps read them as such.
+"""Float32 weights that are exactly GGUF blocks: found, so that few-row steps read them as such.
 
-A checkpoint dequantized from GGUF Q4_1 (the default model: SmolLM2's GGUF, dequantized by
-transformers at engine build) holds float32 weights that are, bit for bit, w = fl(fl(d * q) + m):
-for each output feature, every block of 32 consecutive inputs has one scale d and one minimum m
-(float16 values) and a 4-bit q in [0, 15] per weight, the product and the sum each rounded to
-float32 (gguf's dequantization, numpy float32). `q4_1_blocks` recovers (q, d, m) from the float32
-values alone (m is the block's minimum, where q = 0; d the float16 nearest (max - m) / 15, or a
-neighbour) and keeps them only if they give back every weight bit for bit. The native kernel
+A checkpoint dequantized from GGUF (the default model: SmolLM2's GGUF, dequantized by
+transformers at engine build) holds float32 weights that are, bit for bit, what gguf's
+dequantization computed in float32 from blocks of 32 consecutive inputs of an output feature,
+each with a float16 scale d:
+- Q4_1 (the default model's projections): w = fl(fl(d * q) + m), a float16 minimum m per block
+  and a 4-bit q in [0, 15] per weight. `q4_1_blocks` recovers (q, d, m) from the float32 values
+  alone: m is the block's minimum (where q = 0), d the float16 nearest (max - m) / 15 or a
+  neighbour.
+- Q8_0 (its embedding, the tied LM head): w = fl(d * q), q in [-128, 127]. `q8_0_blocks`: d the
+  float16 nearest max |w| / 127 or a neighbour.
+Either keeps what it found only if it gives back every weight bit for bit. The native kernel
 (csrc/linear.cpp, `pack_blocks`, which checks once more with the kernel's own arithmetic) then
-reads a quarter of the bytes per weight on steps of few rows, where a step is bound by reading
-the weights, and computes on the very same float32 values: results equal the float32 panels'
-bit for bit. Weights that are not such blocks (a bfloat16 or float32 checkpoint) stay float32.
+reads a fifth (Q4_1) or under a third (Q8_0) of the bytes per weight on steps of few rows, where
+a step is bound by reading the weights, and computes on the very same float32 values: results
+equal the float32 panels' bit for bit. Weights that are not such blocks (a bfloat16 or float32
+checkpoint, other GGUF types) stay float32.
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ from dataclasses import dataclass
 import torch
 
 BLOCK = 32  # inputs per (d, m)
-LEVELS = 15  # q in [0, LEVELS]
+LEVELS = 15  # Q4_1: q in [0, LEVELS]
+Q8_MAX = 127  # Q8_0: the largest |q| (llama.cpp's quantizer maps max |w| to it)
+STEPS = (0, -1, 1, -2, 2)  # float16 neighbours of a scale's estimate, nearest first
 
 
 @dataclass(frozen=True)
@@ -38,7 +45,8 @@ class Q41Blocks:
 
 
 def _fp16_steps(d: torch.Tensor, step: int) -> torch.Tensor:
-    """`d` (float32 holding float16 values) moved `step` float16 values along (positive ones)."""
+    """`d` rounded to float16 and moved `step` float16 values along (positive ones), as
+    float32."""
     bits = d.half().view(torch.int16).to(torch.int32) + step
     return bits.clamp(0, 0x7BFF).to(torch.int16).view(torch.float16).float()
 
@@ -61,7 +69,7 @@ def q4_1_blocks(weight: torch.Tensor) -> Q41Blocks | None:
     q = torch.zeros_like(w, dtype=torch.uint8).view(n, k // BLOCK, BLOCK)
     d = torch.zeros_like(m)
     todo = torch.ones_like(m, dtype=torch.bool)
-    for step in (0, -1, 1, -2, 2):
+    for step in STEPS:
         if not todo.any():
             break
         idx = todo.nonzero(as_tuple=True)
@@ -79,3 +87,51 @@ def q4_1_blocks(weight: torch.Tensor) -> Q41Blocks | None:
     if todo.any():
         return None
     return Q41Blocks(q.view(n, k), d, m)
+
+
+@dataclass(frozen=True)
+class Q80Blocks:
+    """w[n, k] = fl(d[n, k // 32] * q[n, k]) exactly."""
+
+    q: torch.Tensor  # int8 [N, K]
+    d: torch.Tensor  # float32 [N, K / 32]
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.q.shape
+        return torch.mul(self.q.view(n, k // BLOCK, BLOCK).float(), self.d[..., None]).view(n, k)
+
+
+def q8_0_blocks(weight: torch.Tensor) -> Q80Blocks | None:
+    """The Q8_0 blocks that `weight` [N, K] (float32) is made of, or None where it is not made
+    of them (K not a multiple of 32, or a block no float16 d reproduces bit for bit)."""
+    if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % BLOCK:
+        return None
+    w = weight.detach().cpu().contiguous()
+    n, k = w.shape
+    if w.numel() == 0:
+        return None
+    blocks = w.view(n, k // BLOCK, BLOCK)
+    estimate = blocks.abs().amax(-1) / Q8_MAX
+    if not torch.isfinite(estimate).all():
+        return None
+    want = blocks.view(torch.int32)
+    q = torch.zeros_like(w, dtype=torch.int8).view(n, k // BLOCK, BLOCK)
+    d = torch.zeros_like(estimate)
+    todo = torch.ones_like(estimate, dtype=torch.bool)
+    for step in STEPS:
+        if not todo.any():
+            break
+        idx = todo.nonzero(as_tuple=True)
+        cand = _fp16_steps(estimate[idx], step)
+        vals = blocks[idx]
+        scale = torch.where(cand > 0, cand, torch.ones_like(cand))
+        levels = torch.round(vals / scale[:, None]).clamp(-Q8_MAX - 1, Q8_MAX)
+        levels = torch.where(cand[:, None] > 0, levels, torch.zeros_like(levels))
+        ok = (torch.mul(levels, cand[:, None]).view(torch.int32) == want[idx]).all(-1)
+        rows, cols = idx[0][ok], idx[1][ok]
+        q[rows, cols] = levels[ok].to(torch.int8)
+        d[rows, cols] = cand[ok]
+        todo[rows, cols] = False
+    if todo.any():
+        return None
+    return Q80Blocks(q.view(n, k), d)

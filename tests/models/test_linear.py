@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from python_backends.models import cpu_isa, kernels
-from python_backends.models.weight_blocks import q4_1_blocks
-from tests.models.test_weight_blocks import gguf_q4_1
+from python_backends.models.weight_blocks import q4_1_blocks, q8_0_blocks
+from tests.models.test_weight_blocks import gguf_q4_1, gguf_q8_0
 
 
 @pytest.fixture(scope="module")
@@ -198,12 +198,20 @@ BLOCK_SHAPES = [(1, 64, 96), (3, 576, 960), (12, 576, 7), (5, 1536, 576), (13, 5
                 (40, 64, 33)]
 
 
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
 @pytest.mark.parametrize(("rows", "k", "n"), BLOCK_SHAPES)
-def test_calls_reading_the_blocks_equal_the_float_panels_bit_for_bit(ops, helper, rows, k, n):
-    w = gguf_q4_1(n, k, seed=rows)
-    found = q4_1_blocks(w)
-    assert found is not None
-    blocks = ops.pack_blocks(w, found.q, found.d, found.m)
+def test_calls_reading_the_blocks_equal_the_float_panels_bit_for_bit(ops, helper, rows, k, n,
+                                                                      kind):
+    if kind == "Q4_1":
+        w = gguf_q4_1(n, k, seed=rows)
+        q41 = q4_1_blocks(w)
+        assert q41 is not None
+        blocks = ops.pack_blocks(w, q41.q, q41.d, q41.m)
+    else:
+        w = gguf_q8_0(n, k, seed=rows)
+        q80 = q8_0_blocks(w)
+        assert q80 is not None
+        blocks = ops.pack_blocks(w, q80.q, q80.d)
     assert blocks.numel() > 0
     packed = ops.pack_linear_weight(w)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
@@ -220,13 +228,17 @@ def test_blocks_that_do_not_give_back_the_weight_are_not_packed(ops):
     assert ops.pack_blocks(w, found.q, found.d, found.m).numel() == 0
     with pytest.raises(RuntimeError, match="q must be in"):
         ops.pack_blocks(w, found.q + 16, found.d, found.m)
+    with pytest.raises(RuntimeError, match="q uint8 with m"):
+        ops.pack_blocks(w, found.q, found.d)
 
 
 def test_native_linear_finds_blocks_unless_switched_off(ops, monkeypatch):
     kernel = kernels.native_linear()
     assert kernel is not None
-    w = gguf_q4_1(64, 64)
-    assert kernel.blocks(w) is not None
+    w, w8 = gguf_q4_1(64, 64), gguf_q8_0(64, 64)
+    packed, packed8 = kernel.blocks(w), kernel.blocks(w8)
+    assert packed is not None and packed.dtype == torch.uint8
+    assert packed8 is not None and packed8.dtype == torch.int8
     assert kernel.blocks(torch.randn(64, 64)) is None
     monkeypatch.setenv(kernels.BLOCKS_ENV, "0")
-    assert kernel.blocks(w) is None
+    assert kernel.blocks(w) is None and kernel.blocks(w8) is None

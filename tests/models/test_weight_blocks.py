@@ -1,4 +1,4 @@
-"""Float32 weights found to be exact GGUF Q4_1 blocks (models/weight_blocks.py)."""
+"""Float32 weights found to be exact GGUF Q4_1 and Q8_0 blocks (models/weight_blocks.py)."""
 
 from __future__ import annotations
 
@@ -7,16 +7,23 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from python_backends.models.weight_blocks import BLOCK, q4_1_blocks
+from python_backends.models.weight_blocks import BLOCK, q4_1_blocks, q8_0_blocks
+
+
+def gguf_weight(rows: int, cols: int, kind: GGMLQuantizationType, seed: int = 0) -> torch.Tensor:
+    """A float32 weight as transformers gets it from a GGUF of `kind`: quantized and dequantized
+    by the gguf package (llama.cpp's reference quantizers and dequantization)."""
+    w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32) / 10
+    w[0, :BLOCK] = 0.25  # a constant block (Q4_1: d = 0)
+    return torch.from_numpy(quants.dequantize(quants.quantize(w, kind), kind).copy())
 
 
 def gguf_q4_1(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
-    """A float32 weight as transformers gets it from a Q4_1 GGUF: quantized and dequantized by
-    the gguf package (llama.cpp's reference quantizer and dequantization)."""
-    w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32) / 10
-    w[0, :BLOCK] = 0.25  # a constant block: d = 0
-    q = quants.quantize(w, GGMLQuantizationType.Q4_1)
-    return torch.from_numpy(quants.dequantize(q, GGMLQuantizationType.Q4_1).copy())
+    return gguf_weight(rows, cols, GGMLQuantizationType.Q4_1, seed)
+
+
+def gguf_q8_0(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    return gguf_weight(rows, cols, GGMLQuantizationType.Q8_0, seed)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -44,3 +51,21 @@ def test_weights_that_are_not_blocks_are_refused() -> None:
     one_off = w.clone()
     one_off[3, 40] = torch.nextafter(one_off[3, 40], torch.tensor(1.0))  # one ulp
     assert q4_1_blocks(one_off) is None
+
+
+@pytest.mark.parametrize("shape", [(1, 32), (96, 576), (7, 1536)])
+def test_q8_0_blocks_give_back_every_weight_bit_for_bit(shape: tuple[int, int]) -> None:
+    w = gguf_q8_0(*shape)
+    found = q8_0_blocks(w)
+    assert found is not None and found.q.dtype == torch.int8
+    assert torch.equal(bits(found.dequantize()), bits(w))
+    assert torch.equal(found.d.half().float(), found.d)
+
+
+def test_weights_that_are_not_q8_0_blocks_are_refused() -> None:
+    assert q8_0_blocks(torch.randn(8, 64)) is None
+    assert q8_0_blocks(gguf_q8_0(8, 64)[:, :40].contiguous()) is None
+    assert q8_0_blocks(torch.empty(0, 64)) is None
+    one_off = gguf_q8_0(8, 64)
+    one_off[2, 7] = torch.nextafter(one_off[2, 7], torch.tensor(1.0))
+    assert q8_0_blocks(one_off) is None
