@@ -35,7 +35,7 @@ class SpeculationConfig:
     pass over the weights serves them all), so drafts there cost next to nothing however often
     they fail, and pausing them only loses the ones that would have been kept. Measured on the
     chat workload at concurrency 1 (engine alone, 2-core AMD EPYC): fixed drafting 1.27-1.53x
-    drafting off against adaptive's 1.16-1.35x. Weights read as exact 4-bit blocks
+    drafting off against adaptive's 1.16-1.35x. Weights read as exact GGUF blocks
     (models.weight_blocks) make rows there cost about a fifth of a one-row step each, no longer
     next to nothing; adapting at every size (`free_rows` 0) still measured the same at one
     sequence (chat 91.8 against 92.8 tok/s, synthetic 130.5 against 128.2), so 16 stays.

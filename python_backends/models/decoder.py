@@ -290,7 +290,7 @@ class CausalLM(nn.Module):
             self.native_linears = True
             blocked = sum(m.native_blocks is not None for m in linears)
             log.info("projections: native float32 kernel on the engine thread and an idle-CPU "
-                     "helper; %d of %d read as exact 4-bit blocks in steps of few rows "
+                     "helper; %d of %d read as exact GGUF blocks in steps of few rows "
                      "(models.weight_blocks); greedy rows' LM head %s", blocked, len(linears),
                      "screened (models.greedy_head)" if self.greedy_head is not None
                      else "in full")

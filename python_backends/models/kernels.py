@@ -177,7 +177,7 @@ class NativeLinear:
     """The float32 projection kernel: `op(x [T, k], packed, n, blocks)` computes x W^T on the
     calling thread and an idle-CPU helper (csrc/idle_helper.h), from a weight W [n, k] that
     `pack` has laid out in panels of `panel` output features (`packed_shape(n, k)`); calls of
-    few rows read W's exact 4-bit blocks instead where `blocks` found them."""
+    few rows read W's exact GGUF blocks instead where `blocks` found them."""
 
     panel: int
     op: Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor | None], torch.Tensor]

@@ -58,8 +58,8 @@ def q4_1_blocks(weight: torch.Tensor) -> Q41Blocks | None:
         return None
     w = weight.detach().cpu().contiguous()
     n, k = w.shape
-    if w.numel() == 0:
-        return None
+    if w.numel() == 0 or (n > 1 and q4_1_blocks(w[:1]) is None):
+        return None  # the first feature's blocks decide cheaply for a float model
     blocks = w.view(n, k // BLOCK, BLOCK)
     m = blocks.amin(-1)
     estimate = (blocks.amax(-1) - m) / LEVELS
@@ -80,6 +80,8 @@ def q4_1_blocks(weight: torch.Tensor) -> Q41Blocks | None:
         levels = torch.where(cand[:, None] > 0, levels, torch.zeros_like(levels))
         got = torch.add(torch.mul(levels, cand[:, None]), mins[:, None])
         ok = (got.view(torch.int32) == want[idx]).all(-1)
+        if step == 0 and not ok.any():
+            return None  # not one block at the nearest scale: not made of blocks (a float model)
         rows, cols = idx[0][ok], idx[1][ok]
         q[rows, cols] = levels[ok].to(torch.uint8)
         d[rows, cols] = cand[ok]
@@ -108,7 +110,7 @@ def q8_0_blocks(weight: torch.Tensor) -> Q80Blocks | None:
         return None
     w = weight.detach().cpu().contiguous()
     n, k = w.shape
-    if w.numel() == 0:
+    if w.numel() == 0 or (n > 1 and q8_0_blocks(w[:1]) is None):
         return None
     blocks = w.view(n, k // BLOCK, BLOCK)
     estimate = blocks.abs().amax(-1) / Q8_MAX
@@ -128,6 +130,8 @@ def q8_0_blocks(weight: torch.Tensor) -> Q80Blocks | None:
         levels = torch.round(vals / scale[:, None]).clamp(-Q8_MAX - 1, Q8_MAX)
         levels = torch.where(cand[:, None] > 0, levels, torch.zeros_like(levels))
         ok = (torch.mul(levels, cand[:, None]).view(torch.int32) == want[idx]).all(-1)
+        if step == 0 and not ok.any():
+            return None
         rows, cols = idx[0][ok], idx[1][ok]
         q[rows, cols] = levels[ok].to(torch.int8)
         d[rows, cols] = cand[ok]

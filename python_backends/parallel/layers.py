@@ -70,7 +70,7 @@ class Linear(nn.Linear):
     quantized: Any = None  # int8 weights packed for fbgemm (quantize_int8)
     native: torch.Tensor | None = None  # the weight as `native_op` reads it (pack_native)
     native_op: NativeOp | None = None
-    native_blocks: torch.Tensor | None = None  # the weight's exact 4-bit blocks (pack_native)
+    native_blocks: torch.Tensor | None = None  # the weight's exact GGUF blocks (pack_native)
 
     def quantize_int8(self) -> None:
         """Keep the weight as int8, one scale per output feature (symmetric), packed for
@@ -102,7 +102,7 @@ class Linear(nn.Linear):
                     blocks: Callable[[torch.Tensor], torch.Tensor | None] | None = None) -> bool:
         """Compute with a native kernel from now on (the engine's float32 CPU projection,
         python_backends.models.kernels): `pack` lays the weight out for `op(x, packed,
-        out_features, blocks)`, and `blocks`, if given, finds the weight's exact 4-bit blocks
+        out_features, blocks)`, and `blocks`, if given, finds the weight's exact GGUF blocks
         (None where it has none). float32 CPU weights without bias only; False, and nothing
         changed, for others."""
         weight = self.weight.detach()

@@ -4,7 +4,9 @@
 // so a step streams the whole matrix front to back and every loaded weight vector feeds up to MR
 // tokens of the batch. The arithmetic is plain float32 FMA with one accumulator per output, k
 // ascending; results differ from MKL's only in rounding. From kAmxRows tokens on, on CPUs with
-// AMX, the same products run on AMX tiles (amx.h) to the same precision.
+// AMX, the same products run on AMX tiles (amx.h) to the same precision. A weight that is exact
+// GGUF blocks (Q4_1, Q8_0: models/weight_blocks.py) is packed as such too, and calls of few rows,
+// bound by reading the weight, read those instead: the same float32 values, bit for bit.
 //
 // The screens and screen_candidates serve greedy rows' LM head (models/greedy_head.py): an
 // estimate of every logit from rounded operands, and the tokens whose bounds reach the largest.
