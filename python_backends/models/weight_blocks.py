@@ -44,53 +44,6 @@ class Q41Blocks:
         return torch.add(torch.mul(q, self.d[..., None]), self.m[..., None]).view(n, k)
 
 
-def _fp16_steps(d: torch.Tensor, step: int) -> torch.Tensor:
-    """`d` rounded to float16 and moved `step` float16 values along (positive ones), as
-    float32."""
-    bits = d.half().view(torch.int16).to(torch.int32) + step
-    return bits.clamp(0, 0x7BFF).to(torch.int16).view(torch.float16).float()
-
-
-def q4_1_blocks(weight: torch.Tensor) -> Q41Blocks | None:
-    """The Q4_1 blocks that `weight` [N, K] (float32) is made of, or None where it is not made
-    of them (K not a multiple of 32, or a block no (d, m) reproduces bit for bit)."""
-    if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % BLOCK:
-        return None
-    w = weight.detach().cpu().contiguous()
-    n, k = w.shape
-    if w.numel() == 0 or (n > 1 and q4_1_blocks(w[:1]) is None):
-        return None  # the first feature's blocks decide cheaply for a float model
-    blocks = w.view(n, k // BLOCK, BLOCK)
-    m = blocks.amin(-1)
-    estimate = (blocks.amax(-1) - m) / LEVELS
-    if not torch.equal(m.half().float(), m) or not torch.isfinite(estimate).all():
-        return None  # a minimum that is no float16: not a Q4_1 block
-    want = blocks.view(torch.int32)
-    q = torch.zeros_like(w, dtype=torch.uint8).view(n, k // BLOCK, BLOCK)
-    d = torch.zeros_like(m)
-    todo = torch.ones_like(m, dtype=torch.bool)
-    for step in STEPS:
-        if not todo.any():
-            break
-        idx = todo.nonzero(as_tuple=True)
-        cand = _fp16_steps(estimate[idx], step)
-        mins, vals = m[idx], blocks[idx]
-        scale = torch.where(cand > 0, cand, torch.ones_like(cand))
-        levels = torch.round((vals - mins[:, None]) / scale[:, None]).clamp(0, LEVELS)
-        levels = torch.where(cand[:, None] > 0, levels, torch.zeros_like(levels))
-        got = torch.add(torch.mul(levels, cand[:, None]), mins[:, None])
-        ok = (got.view(torch.int32) == want[idx]).all(-1)
-        if step == 0 and not ok.any():
-            return None  # not one block at the nearest scale: not made of blocks (a float model)
-        rows, cols = idx[0][ok], idx[1][ok]
-        q[rows, cols] = levels[ok].to(torch.uint8)
-        d[rows, cols] = cand[ok]
-        todo[rows, cols] = False
-    if todo.any():
-        return None
-    return Q41Blocks(q.view(n, k), d, m)
-
-
 @dataclass(frozen=True)
 class Q80Blocks:
     """w[n, k] = fl(d[n, k // 32] * q[n, k]) exactly."""
@@ -103,39 +56,77 @@ class Q80Blocks:
         return torch.mul(self.q.view(n, k // BLOCK, BLOCK).float(), self.d[..., None]).view(n, k)
 
 
-def q8_0_blocks(weight: torch.Tensor) -> Q80Blocks | None:
-    """The Q8_0 blocks that `weight` [N, K] (float32) is made of, or None where it is not made
-    of them (K not a multiple of 32, or a block no float16 d reproduces bit for bit)."""
+def _fp16_steps(d: torch.Tensor, step: int) -> torch.Tensor:
+    """`d` rounded to float16 and moved `step` float16 values along (positive ones), as
+    float32."""
+    bits = d.half().view(torch.int16).to(torch.int32) + step
+    return bits.clamp(0, 0x7BFF).to(torch.int16).view(torch.float16).float()
+
+
+def _blocks(weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight` [N, K] as [N, K / 32, 32] blocks, or None where it cannot be GGUF blocks."""
     if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % BLOCK:
         return None
-    w = weight.detach().cpu().contiguous()
-    n, k = w.shape
-    if w.numel() == 0 or (n > 1 and q8_0_blocks(w[:1]) is None):
+    if weight.numel() == 0:
         return None
-    blocks = w.view(n, k // BLOCK, BLOCK)
-    estimate = blocks.abs().amax(-1) / Q8_MAX
+    w = weight.detach().cpu().contiguous()
+    return w.view(w.shape[0], -1, BLOCK)
+
+
+def _fit(blocks: torch.Tensor, estimate: torch.Tensor, offset: torch.Tensor | None, low: int,
+         high: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(q [N, K], d [N, K / 32]) such that fl(fl(d q) + offset) (no offset: fl(d q)) is every
+    block's value bit for bit, q in [low, high] and d the first float16 of STEPS around each
+    block's `estimate` that gives them back; None where a block has none."""
     if not torch.isfinite(estimate).all():
         return None
     want = blocks.view(torch.int32)
-    q = torch.zeros_like(w, dtype=torch.int8).view(n, k // BLOCK, BLOCK)
+    q = torch.zeros(blocks.shape, dtype=dtype)
     d = torch.zeros_like(estimate)
     todo = torch.ones_like(estimate, dtype=torch.bool)
     for step in STEPS:
         if not todo.any():
             break
         idx = todo.nonzero(as_tuple=True)
-        cand = _fp16_steps(estimate[idx], step)
+        cand = _fp16_steps(estimate[idx], step)[:, None]
         vals = blocks[idx]
+        base = offset[idx][:, None] if offset is not None else None
         scale = torch.where(cand > 0, cand, torch.ones_like(cand))
-        levels = torch.round(vals / scale[:, None]).clamp(-Q8_MAX - 1, Q8_MAX)
-        levels = torch.where(cand[:, None] > 0, levels, torch.zeros_like(levels))
-        ok = (torch.mul(levels, cand[:, None]).view(torch.int32) == want[idx]).all(-1)
+        levels = torch.round((vals if base is None else vals - base) / scale).clamp(low, high)
+        levels = torch.where(cand > 0, levels, torch.zeros_like(levels))
+        got = torch.mul(levels, cand)
+        if base is not None:
+            got = torch.add(got, base)
+        ok = (got.view(torch.int32) == want[idx]).all(-1)
         if step == 0 and not ok.any():
-            return None
+            return None  # not one block at the nearest scale: not made of blocks (a float model)
         rows, cols = idx[0][ok], idx[1][ok]
-        q[rows, cols] = levels[ok].to(torch.int8)
-        d[rows, cols] = cand[ok]
+        q[rows, cols] = levels[ok].to(dtype)
+        d[rows, cols] = cand[ok, 0]
         todo[rows, cols] = False
     if todo.any():
         return None
-    return Q80Blocks(q.view(n, k), d)
+    return q.view(blocks.shape[0], -1), d
+
+
+def q4_1_blocks(weight: torch.Tensor) -> Q41Blocks | None:
+    """The Q4_1 blocks that `weight` [N, K] (float32) is made of, or None where it is not made
+    of them (K not a multiple of 32, or a block no (d, m) reproduces bit for bit)."""
+    blocks = _blocks(weight)
+    if blocks is None or (len(blocks) > 1 and q4_1_blocks(weight[:1]) is None):
+        return None  # the first feature's blocks decide cheaply for a float model
+    m = blocks.amin(-1)
+    if not torch.equal(m.half().float(), m):
+        return None  # a minimum that is no float16: not a Q4_1 block
+    found = _fit(blocks, (blocks.amax(-1) - m) / LEVELS, m, 0, LEVELS, torch.uint8)
+    return Q41Blocks(found[0], found[1], m) if found is not None else None
+
+
+def q8_0_blocks(weight: torch.Tensor) -> Q80Blocks | None:
+    """The Q8_0 blocks that `weight` [N, K] (float32) is made of, or None where it is not made
+    of them (K not a multiple of 32, or a block no float16 d reproduces bit for bit)."""
+    blocks = _blocks(weight)
+    if blocks is None or (len(blocks) > 1 and q8_0_blocks(weight[:1]) is None):
+        return None
+    found = _fit(blocks, blocks.abs().amax(-1) / Q8_MAX, None, -Q8_MAX - 1, Q8_MAX, torch.int8)
+    return Q80Blocks(*found) if found is not None else None
