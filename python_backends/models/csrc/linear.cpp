@@ -108,10 +108,17 @@ struct Q41 {
   int64_t bytes() const { return scales_at() + 2 * (K / kBlock) * NR * 4; }
   float* scales(uint8_t* p) const { return reinterpret_cast<float*>(p + scales_at()); }
   float* mins(uint8_t* p) const { return scales(p) + K / kBlock * NR; }
-  // The NR weights of input k.
-  void at(const uint8_t* panel, int64_t k, vec& w0, vec& w1) const {
-    const float* d = reinterpret_cast<const float*>(panel + scales_at()) + k / kBlock * NR;
+  // Block b's d and m for the NR features, loaded once for its kBlock inputs.
+  struct Scales {
+    vec d0, d1, m0, m1;
+  };
+  Scales block(const uint8_t* panel, int64_t b) const {
+    const float* d = reinterpret_cast<const float*>(panel + scales_at()) + b * NR;
     const float* m = d + K / kBlock * NR;
+    return {load(d), load(d + VL), load(m), load(m + VL)};
+  }
+  // The NR weights of input k, of block s.
+  void at(const uint8_t* panel, int64_t k, const Scales& s, vec& w0, vec& w1) const {
     const auto* q = reinterpret_cast<const __m128i*>(panel + k * kStride);
 #if defined(__AVX512F__)
     const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(q));
@@ -122,8 +129,8 @@ struct Q41 {
     w0 = (vec)_mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
     w1 = (vec)_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
 #endif
-    w0 = w0 * load(d) + load(m);
-    w1 = w1 * load(d + VL) + load(m + VL);
+    w0 = w0 * s.d0 + s.m0;
+    w1 = w1 * s.d1 + s.m1;
   }
   void put(uint8_t* panel, int64_t k, int64_t j, uint8_t q) const {  // q: a uint8
     TORCH_CHECK(q < 16, "pack_blocks: Q4_1 q must be in [0, 15]");
@@ -140,8 +147,14 @@ struct Q80 {
   int64_t bytes() const { return scales_at() + (K / kBlock) * NR * 4; }
   float* scales(uint8_t* p) const { return reinterpret_cast<float*>(p + scales_at()); }
   float* mins(uint8_t*) const { return nullptr; }
-  void at(const uint8_t* panel, int64_t k, vec& w0, vec& w1) const {
-    const float* d = reinterpret_cast<const float*>(panel + scales_at()) + k / kBlock * NR;
+  struct Scales {
+    vec d0, d1;
+  };
+  Scales block(const uint8_t* panel, int64_t b) const {
+    const float* d = reinterpret_cast<const float*>(panel + scales_at()) + b * NR;
+    return {load(d), load(d + VL)};
+  }
+  void at(const uint8_t* panel, int64_t k, const Scales& s, vec& w0, vec& w1) const {
     const auto* q = reinterpret_cast<const __m128i*>(panel + k * kStride);
 #if defined(__AVX512F__)
     w0 = (vec)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q)));
@@ -151,8 +164,8 @@ struct Q80 {
     w1 = (vec)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
         reinterpret_cast<const __m128i*>(panel + k * kStride + VL))));
 #endif
-    w0 = w0 * load(d);
-    w1 = w1 * load(d + VL);
+    w0 = w0 * s.d0;
+    w1 = w1 * s.d1;
   }
   void put(uint8_t* panel, int64_t k, int64_t j, uint8_t q) const {  // q: an int8's bits
     panel[k * kStride + j] = q;
@@ -165,11 +178,14 @@ inline void block_tile(const float* x, int64_t K, const uint8_t* panel, float* d
   const F format{K};
   vec acc[R][2];
   for (int64_t r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vec{};
-  for (int64_t k = 0; k < K; ++k) {
-    __builtin_prefetch(panel + (k + 8 * kAhead) * F::kStride);
-    vec w0, w1;
-    format.at(panel, k, w0, w1);
-    accumulate<R>(acc, x, K, k, w0, w1);
+  for (int64_t b = 0; b < K / kBlock; ++b) {
+    const typename F::Scales s = format.block(panel, b);
+    for (int64_t k = b * kBlock; k < (b + 1) * kBlock; ++k) {
+      __builtin_prefetch(panel + (k + 8 * kAhead) * F::kStride);
+      vec w0, w1;
+      format.at(panel, k, s, w0, w1);
+      accumulate<R>(acc, x, K, k, w0, w1);
+    }
   }
   store_tile<R>(acc, dst, ld, cols);
 }
@@ -350,7 +366,7 @@ at::Tensor pack_format(const at::Tensor& weight, const at::Tensor& q, const at::
     // Checked with the kernel's own arithmetic (padding features: zeros, as the float panels').
     for (int64_t k = 0; k < K; ++k) {
       vec w[2];
-      format.at(panel, k, w[0], w[1]);
+      format.at(panel, k, format.block(panel, k / kBlock), w[0], w[1]);
       float got[NR], want[NR];
       std::memcpy(got, w, sizeof(got));
       for (int64_t j = 0; j < NR; ++j) want[j] = p * NR + j < N ? wp[(p * NR + j) * K + k] : 0.f;
