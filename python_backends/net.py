@@ -11,13 +11,14 @@ EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 LOWEST = 10000  # below: ports that well-known services are configured on
 
 
-def _ephemeral() -> tuple[int, int]:
-    """The ports the kernel hands out by itself (a bind to port 0, a connection's local end)."""
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out by itself (a bind to port 0, a connection's local
+    end)."""
     try:
-        low, high = (int(v) for v in EPHEMERAL_RANGE.read_text().split())
-        return low, high
+        low, _high = (int(v) for v in EPHEMERAL_RANGE.read_text().split())
+        return low
     except (OSError, ValueError):
-        return 32768, 60999  # Linux's default
+        return 32768  # Linux's default
 
 
 def _bindable(port: int) -> bool:
@@ -38,11 +39,10 @@ def free_port() -> int:
     so a port the kernel offered once could be its own again by then (tritonserver then fails
     with "Address already in use"). Not returned before: callers take several before any is
     bound (a server given the same port for HTTP and gRPC refuses to start)."""
-    low = LOWEST
-    high = _ephemeral()[0] - 1
-    if high - low >= 1000:
+    high = _ephemeral_low() - 1
+    if high - LOWEST >= 1000:
         for _ in range(1000):
-            port = random.randint(low, high)
+            port = random.randint(LOWEST, high)
             if port not in _given and _bindable(port):
                 _given.add(port)
                 return port
