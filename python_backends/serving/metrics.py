@@ -87,6 +87,13 @@ class EngineMetrics:
             "1 while every rank of the instance's engine runs, 0 once one died (reload it)",
             g, labels,
         )
+        # Which load owns the series: a reloaded instance's successor (same labels) sets it
+        # anew when it starts, and the predecessor, finalized after that, leaves them alone.
+        self.start_time = _metric(
+            "llm_engine_start_time_seconds",
+            "When the instance's engine was loaded (Unix time); a reload sets it anew", g, labels)
+        self._started_at = time.time()
+        self.start_time.set(self._started_at)
         self._totals = {field: _Total(_metric(name, doc, pb_utils.MetricFamily.COUNTER, labels))
                         for field, name, doc in ENGINE_TOTALS}
         self._declare_latencies(labels)
@@ -132,8 +139,13 @@ class EngineMetrics:
 
     def retire(self) -> None:
         """The instance is going away (shutdown or a resize): zero its gauges. Triton 2.51 keeps
-        a finalized stub's series on the metrics port, so they must not show a stale load."""
+        a finalized stub's series on the metrics port, so they must not show a stale load.
+        Unless a successor (a reload of the same model, which Triton finalizes the old version
+        after) has started meanwhile: the series are its own then, and zeroing them would show
+        it empty and unhealthy until its next publish."""
         with self._publish_lock:
+            if self.start_time.value() != self._started_at:
+                return
             for gauge in (self.blocks_used, self.blocks_total, self.usage, self.running,
                           self.waiting, self.healthy, *self._placement.values()):
                 gauge.set(0)
@@ -409,6 +421,11 @@ class Metric:
     def observe(self, value: float) -> None:
         with _lock:
             self._metric.observe(value)
+
+    def value(self) -> float:
+        """The series' value, as every stub that shares it last left it."""
+        with _lock:
+            return float(self._metric.value())
 
 
 def _metric(

@@ -3,11 +3,15 @@ its own so that its interpreter's shutdown can be watched)."""
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 import textwrap
+import types
+from typing import Any
 
 from python_backends.config import PROJECT_ROOT
+from python_backends.engine.llm_engine import EngineStats
 
 # A stub's life in miniature: a fake pb_utils whose metric objects say when they are destroyed
 # (a real one then deletes the series in tritonserver), an engine's metrics made and used, the
@@ -54,3 +58,90 @@ def test_no_metric_object_is_destroyed_even_when_the_stub_exits() -> None:
                          text=True, timeout=120, check=True).stdout
     assert "exiting" in out
     assert "destroyed" not in out, out
+
+
+class _Series:
+    """One prometheus series: shared by every stub that makes a metric with its family name
+    and labels, as in tritonserver."""
+
+    def __init__(self) -> None:
+        self.current = 0.0
+
+    def set(self, value: float) -> None:
+        self.current = value
+
+    def increment(self, value: float = 1.0) -> None:
+        self.current += value
+
+    def observe(self, value: float) -> None:
+        pass
+
+    def value(self) -> float:
+        return self.current
+
+
+def _stub(series: dict[tuple[str, frozenset[tuple[str, str]]], _Series]) -> Any:
+    """`serving.metrics` as one more stub process would load it: a module of its own (its own
+    metric objects) over the server's shared series."""
+    class MetricFamily:
+        COUNTER, GAUGE, HISTOGRAM = 0, 1, 2
+
+        def __init__(self, name: str, description: str, kind: int) -> None:
+            self.name = name
+
+        def Metric(self, labels: dict[str, str], buckets: Any = None) -> _Series:
+            return series.setdefault((self.name, frozenset(labels.items())), _Series())
+
+    pb = types.ModuleType("triton_python_backend_utils")
+    pb.MetricFamily = MetricFamily  # type: ignore[attr-defined]
+    saved = sys.modules.get("triton_python_backend_utils")
+    sys.modules["triton_python_backend_utils"] = pb
+    try:
+        spec = importlib.util.spec_from_file_location(
+            f"stub_metrics_{len(series)}", PROJECT_ROOT / "python_backends/serving/metrics.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        if saved is None:
+            del sys.modules["triton_python_backend_utils"]
+        else:
+            sys.modules["triton_python_backend_utils"] = saved
+    return module
+
+
+def _stats(**kw: Any) -> EngineStats:
+    return EngineStats(kv_blocks_used=3, kv_blocks_total=8, kv_block_size=16, num_running=1,
+                       num_waiting=0, num_preemptions=0, num_prompt_tokens_computed=0,
+                       busy_seconds=0.0, running_by_priority={0: 1}, waiting_by_priority={},
+                       **kw)
+
+
+def test_a_reloaded_instance_keeps_its_gauges_when_its_predecessor_retires() -> None:
+    series: dict[tuple[str, frozenset[tuple[str, str]]], _Series] = {}
+
+    def gauge(name: str, **extra: str) -> float:
+        labels = {"model": "worker", "instance": "worker_0_0", **extra}
+        return series[(name, frozenset(labels.items()))].current
+
+    old = _stub(series).EngineMetrics("worker", "worker_0_0")
+    old.publish(_stats())
+    new = _stub(series).EngineMetrics("worker", "worker_0_0")  # Triton: loaded, then old retired
+    new.publish(_stats())
+    old.retire()
+    assert gauge("llm_engine_healthy") == 1
+    assert gauge("llm_kv_cache_blocks_used") == 3
+    new.retire()  # the last owner: nothing left to serve
+    assert gauge("llm_engine_healthy") == 0
+    assert gauge("llm_kv_cache_blocks_used") == 0
+    assert gauge("llm_num_requests_running_by_priority", priority="0") == 0
+
+
+def test_an_instance_unloaded_for_good_zeroes_its_gauges() -> None:
+    series: dict[tuple[str, frozenset[tuple[str, str]]], _Series] = {}
+    metrics = _stub(series).EngineMetrics("worker", "worker_0_1")  # removed by a resize
+    metrics.publish(_stats())
+    metrics.retire()
+    for (name, labels), s in series.items():
+        if name.startswith(("llm_kv_cache_blocks", "llm_num_requests", "llm_engine_healthy")):
+            assert s.current == 0, (name, dict(labels))
