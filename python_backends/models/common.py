@@ -112,10 +112,16 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, dims: int, max_positions: int, theta: float, scaling: RopeScaling):
         super().__init__()
-        freqs = rope_angles(dims, max_positions, theta, scaling)
-        emb = torch.cat((freqs, freqs), dim=-1)  # [P, R]
         self.cos: torch.Tensor
         self.sin: torch.Tensor
+        if torch.empty(()).is_meta:  # a model built on the meta device: tables come later
+            # (the loader's reset_rotary); computing them here went through torch's Python
+            # meta kernels, whose first use imports for 1.4 s.
+            for name in ("cos", "sin"):
+                self.register_buffer(name, torch.empty(max_positions, dims), persistent=False)
+            return
+        freqs = rope_angles(dims, max_positions, theta, scaling)
+        emb = torch.cat((freqs, freqs), dim=-1)  # [P, R]
         self.register_buffer("cos", emb.cos() * scaling.attention_scale, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling.attention_scale, persistent=False)
 
