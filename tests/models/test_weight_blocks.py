@@ -7,7 +7,13 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
+from python_backends.models import kernels
 from python_backends.models.weight_blocks import BLOCK, q4_1_blocks, q8_0_blocks
+
+
+@pytest.fixture(autouse=True, scope="module")
+def native_search() -> None:
+    assert kernels.load(), "the native kernels did not build here (see the warning logged)"
 
 
 def gguf_weight(rows: int, cols: int, kind: GGMLQuantizationType, seed: int = 0) -> torch.Tensor:
