@@ -7,7 +7,9 @@ optionally a peer OpenAI-compatible server with the same aiperf workload in the 
 prints each level's figures and the ratios to the peer. The peer is either started here
 (`--peer vllm`: vLLM for CPU from .venv-vllm on the engine's weights in float32, set up on first
 use; python_backends/bench/vllm_peer.py) or given (`--peer-url`). `--rounds N` measures every
-level N times, the targets interleaved level by level, so drift shows. aiperf refills a freed
+level N times, the targets interleaved level by level, so drift shows; before the first round
+each target serves one unmeasured pass at the highest level (`--warmup-requests`), so a server
+just started does not pay its first batch shapes in the first level measured. aiperf refills a freed
 concurrency slot within 1/--pace-hz seconds instead of polling for it without sleeping (its
 plain concurrency mode takes most of a core on a small machine). For our server it also reads the
 server's own TTFT histogram over each level and prints it against aiperf's (they measure the
@@ -147,6 +149,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--output-tokens", type=int, default=64)
     ap.add_argument("--requests", type=int, default=16, help="per level, at least 2x concurrency")
+    ap.add_argument("--warmup-requests", type=int, default=None,
+                    help="before the first round, each target serves this many requests at the "
+                    "highest level, unmeasured (default: that level; 0: none), so the first "
+                    "measured level does not pay for a fresh server's first batch shapes")
     ap.add_argument("--rounds", type=int, default=1,
                     help="measure every level this many times, targets interleaved level by "
                     "level (their order swapped each round), so drift shows")
@@ -215,8 +221,9 @@ def _peer(args: argparse.Namespace, stack: contextlib.ExitStack) -> Target | Non
 
 
 def _measure(args: argparse.Namespace, aiperf: str, target: Target, c: int, tmp: Path,
-             ours: Ours | None) -> dict[str, Any]:
-    n = max(args.requests, 2 * c)
+             ours: Ours | None, n: int | None = None) -> dict[str, Any]:
+    """One level; `n` requests (default: --requests, at least 2x the concurrency)."""
+    n = n or max(args.requests, 2 * c)
     print(f"[sweep] {target.name} concurrency {c}: {n} requests, aiperf, {args.dataset} ...",
           flush=True)
     snap = ours.snapshot() if ours else None
@@ -279,9 +286,10 @@ class Ours:
 
 
 def _measure_vllm_client(args: argparse.Namespace, url: str, model: str, name: str, c: int,
-                         tmp: Path, ours: Ours | None) -> dict[str, Any]:
-    """One level with vLLM's client (openai-chat, unpaced) against `url`'s OpenAI API."""
-    n = max(args.requests, 2 * c)
+                         tmp: Path, ours: Ours | None, n: int | None = None) -> dict[str, Any]:
+    """One level with vLLM's client (openai-chat, unpaced) against `url`'s OpenAI API; `n`
+    requests as in `_measure`."""
+    n = n or max(args.requests, 2 * c)
     print(f"[sweep] {name} concurrency {c}: {n} requests, vLLM's client, {args.dataset} ...",
           flush=True)
     if args.dataset == "chat":
@@ -310,6 +318,12 @@ def _measure_vllm_client(args: argparse.Namespace, url: str, model: str, name: s
     if ours is not None and snap is not None:
         ours.record(row, snap)
     return row
+
+
+def _warmup(args: argparse.Namespace, levels: list[int]) -> tuple[int, int]:
+    """(concurrency, requests) of the warm-up pass; no requests: none."""
+    c = max(levels)
+    return c, c if args.warmup_requests is None else max(args.warmup_requests, 0)
 
 
 def _acceptance(before: dict[str, Any], after: dict[str, Any]) -> float | None:
@@ -363,6 +377,10 @@ def main_vllm_client(args: argparse.Namespace) -> int:
         peer = _peer(args, stack)
         ours = ("ours", url, args.model)
         targets_all = [ours] + ([(peer.name, peer.url, peer.model)] if peer else [])
+        c, n = _warmup(args, levels)
+        for name, target_url, model in targets_all if n else ():
+            print(f"[sweep] warm-up, not measured: {name}", flush=True)
+            _measure_vllm_client(args, target_url, model, name, c, tmp, None, n)
         for r in range(1, args.rounds + 1):
             for c in levels:
                 for name, target_url, model in targets_all[:: 1 if r % 2 else -1]:
@@ -404,6 +422,10 @@ def main(argv: list[str] | None = None) -> int:
             server = _ours(args, metrics_url, {})
             ours = Target.ours(url, tmp)
         peer = _peer(args, stack)
+        c, n = _warmup(args, levels)
+        for target in [ours, *([peer] if peer else [])] if n else ():
+            print(f"[sweep] warm-up, not measured: {target.name}", flush=True)
+            _measure(args, aiperf, target, c, tmp, None, n)
         for r in range(1, args.rounds + 1):
             targets = [ours] if peer is None else [ours, peer][:: 1 if r % 2 else -1]
             for c in levels:
