@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -57,8 +58,11 @@ class TinyModel:
 
 def make_tiny_llama(
     out_dir: Path, seed: int = 0, limits: EngineLimits | None = None,
-    parallel: ParallelLayout | None = None, **config: Any
+    parallel: ParallelLayout | None = None, weights: Callable[[Any], None] | None = None,
+    **config: Any
 ) -> TinyModel:
+    """`weights`: edits the Hugging Face model's weights before the engine is written (the
+    reference computes on the edited ones too)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -70,6 +74,8 @@ def make_tiny_llama(
     )
     cfg = LlamaConfig(**{**defaults, **config})
     hf = LlamaForCausalLM(cfg).eval()
+    if weights is not None:
+        weights(hf)
     limits = limits or EngineLimits(max_seq_len=256, max_num_seqs=16, max_num_batched_tokens=256,
                                     block_size=4)
     write_engine(hf, None, out_dir, limits, "float32", "random", log=lambda _m: None,

@@ -185,7 +185,7 @@ class NativeLinear:
     @staticmethod
     def blocks(weight: torch.Tensor) -> torch.Tensor | None:
         """W's GGUF blocks packed for the kernel (models.weight_blocks: the same float32
-        values, bit for bit, from Q4_1 or Q8_0 blocks), or None: W is made of neither, or
+        values, from 4-bit (Q4_1, Q4_0, Q4_K) or Q8_0 blocks), or None: W is made of neither, or
         `LLM_WEIGHT_BLOCKS=0`."""
         if os.environ.get(BLOCKS_ENV, "1").strip() == "0":
             return None

@@ -1,14 +1,21 @@
-"""Float32 weights found to be exact GGUF Q4_1 and Q8_0 blocks (models/weight_blocks.py)."""
+"""Float32 weights found to be exact GGUF blocks, 4-bit (Q4_1, Q4_0, Q4_K) and Q8_0
+(models/weight_blocks.py)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
+from python_backends.engine.llm_engine import LLMEngine
 from python_backends.models import kernels
 from python_backends.models.weight_blocks import BLOCK, q4_1_blocks, q8_0_blocks
+from python_backends.parallel.layers import Linear
+from python_backends.params import SamplingParams
+from tests.conftest import make_tiny_llama, prompts
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -32,6 +39,25 @@ def gguf_q8_0(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
     return gguf_weight(rows, cols, GGMLQuantizationType.Q8_0, seed)
 
 
+def gguf_q4_0(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    return gguf_weight(rows, cols, GGMLQuantizationType.Q4_0, seed)
+
+
+def gguf_q4_k(rows: int, cols: int, seed: int = 0, scale: float = 0.01) -> torch.Tensor:
+    """A float32 weight dequantized by the gguf package from Q4_K super-blocks of random bytes
+    (the gguf package has no Q4_K quantizer): float16 d and dmin below `scale`, random 6-bit
+    scales and mins (0 among them: a sub-block of one value), random 4-bit q. Every such byte
+    string is a valid Q4_K tensor, far-from-zero offsets included."""
+    assert cols % 256 == 0, "Q4_K super-blocks are 256 inputs"
+    rng = np.random.default_rng(seed)
+    n = rows * cols // 256
+    raw = rng.integers(0, 256, (n, 144), dtype=np.uint8)  # d, dmin, 12 bytes of scales, q
+    for at in (0, 2):
+        raw[:, at:at + 2] = (rng.random(n) * scale).astype(np.float16).view(np.uint8).reshape(n, 2)
+    w = quants.dequantize(raw.reshape(rows, -1), GGMLQuantizationType.Q4_K)
+    return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
+
+
 def bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int32)
 
@@ -45,6 +71,18 @@ def test_blocks_give_back_every_weight_bit_for_bit(shape: tuple[int, int]) -> No
     assert found.d.shape == found.m.shape == (shape[0], shape[1] // BLOCK)
     assert torch.equal(bits(found.dequantize()), bits(w))
     assert torch.equal(found.d.half().float(), found.d)  # float16 scales: d q exact
+
+
+@pytest.mark.parametrize("scale", [0.01, 1.0, 1e-4])
+def test_q4_k_and_q4_0_weights_are_found_as_4_bit_blocks(scale: float) -> None:
+    """Q4_K's sub-blocks (d = float16 d' x a 6-bit scale, m = -(float16 dmin x a 6-bit min):
+    no float16 scales, and not always a weight on level 0) and Q4_0's (w = d (q - 8), d of
+    either sign: zeros of either sign) are 4-bit blocks too."""
+    for w in (gguf_q4_k(64, 512, scale=scale), gguf_q4_0(64, 512, seed=int(1 / scale))):
+        found = q4_1_blocks(w)
+        assert found is not None
+        assert int(found.q.max()) <= 15
+        assert torch.equal(found.dequantize(), w)  # the values; a zero's sign aside
 
 
 def test_weights_that_are_not_blocks_are_refused() -> None:
@@ -75,3 +113,31 @@ def test_weights_that_are_not_q8_0_blocks_are_refused() -> None:
     one_off = gguf_q8_0(8, 64)
     one_off[2, 7] = torch.nextafter(one_off[2, 7], torch.tensor(1.0))
     assert q8_0_blocks(one_off) is None
+
+
+def test_an_engine_of_q4_k_weights_reads_them_as_blocks_and_matches_hf(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checkpoint whose projections are Q4_K (as transformers dequantizes a Q4_K GGUF): the
+    engine finds every projection's blocks, and greedy output equals Hugging Face's on those
+    weights, one sequence (the blocks) and several (blocks and float32 panels by turns)."""
+    def q4_k_projections(hf: torch.nn.Module) -> None:
+        with torch.no_grad():
+            for i, m in enumerate(hf.model.modules()):
+                if isinstance(m, torch.nn.Linear):
+                    m.weight.copy_(gguf_q4_k(*m.weight.shape, seed=i, scale=0.0005))
+
+    tiny = make_tiny_llama(tmp_path / "engine", hidden_size=256, intermediate_size=512,
+                           weights=q4_k_projections)
+    threads = torch.get_num_threads()
+    try:
+        engine = LLMEngine.from_engine_dir(tiny.engine_dir, num_kv_blocks=128, cpu_threads=1)
+    finally:
+        torch.set_num_threads(threads)
+    layers = [m for m in engine.runner.model.model.layers.modules() if isinstance(m, Linear)]
+    assert layers and all(m.native_blocks is not None for m in layers)
+    for batch in (prompts(1), prompts(4, seed=2)):
+        seqs = [engine.add_request(f"s{i}-{len(batch)}", p, SamplingParams(max_tokens=6))
+                for i, p in enumerate(batch)]
+        while engine.has_unfinished:
+            engine.step()
+        assert [s.output_ids for s in seqs] == [tiny.greedy(p, 6) for p in batch]

@@ -5,8 +5,8 @@
 // tokens of the batch. The arithmetic is plain float32 FMA with one accumulator per output, k
 // ascending; results differ from MKL's only in rounding. From kAmxRows tokens on, on CPUs with
 // AMX, the same products run on AMX tiles (amx.h) to the same precision. A weight that is exact
-// GGUF blocks (Q4_1, Q8_0: models/weight_blocks.py) is packed as such too, and calls of few rows,
-// bound by reading the weight, read those instead: the same float32 values, bit for bit.
+// GGUF blocks (4-bit: Q4_1, Q4_0, Q4_K; Q8_0: models/weight_blocks.py) is packed as such too, and
+// calls of few rows, bound by reading the weight, read those instead: the same float32 values.
 //
 // The screens and screen_candidates serve greedy rows' LM head (models/greedy_head.py): an
 // estimate of every logit from rounded operands, and the tokens whose bounds reach the largest.
@@ -88,17 +88,17 @@ inline void tile(const float* x, int64_t K, const float* panel, float* dst, int6
 }
 
 // Weights that are GGUF blocks (models/weight_blocks.py): every kBlock inputs of a feature share
-// a float16 scale d, and each weight is exactly d q (+ m) for a small integer q. Packed per panel
-// (pack_blocks), a few-row call reads them instead of the float32 panel and computes on the same
-// float32 weights, bit for bit: a float16 d (11 significant bits) times q (at most 8 bits) is
-// exact in float32, so one FMA gives gguf's fl(fl(d q) + m), and pack_blocks checks every
-// weight with the kernel's own arithmetic all the same.
+// a scale d (and offset m), and each weight is exactly d q (+ m) for a small integer q. Packed per
+// panel (pack_blocks), a few-row call reads them instead of the float32 panel and computes on the
+// same float32 weights: d q is exact in float32 (4-bit q times a d of at most 17 significant
+// bits, 8-bit q times a float16 d), so one FMA gives gguf's fl(fl(d q) + m), and pack_blocks
+// checks every weight with the kernel's own arithmetic all the same.
 constexpr int64_t kBlock = 32;
 // Calls of at most this many rows read the blocks (one row tile: each weight dequantized once);
 // more rows compute enough per weight that the float32 panels are as fast or faster.
 constexpr int64_t kBlockRows = MR;
 
-// Q4_1 (uint8 tensors): q [K][VL] bytes, byte i of input k holding feature i's q in [0, 15] in
+// Q4_1, any 4-bit block (uint8 tensors): q [K][VL] bytes, byte i of input k holding feature i's q in [0, 15] in
 // its low half and feature VL + i's in its high half, then d and m [K / kBlock][NR] float32; w =
 // d q + m. A fifth of the float32 panel's bytes.
 struct Q41 {
@@ -370,7 +370,9 @@ at::Tensor pack_format(const at::Tensor& weight, const at::Tensor& q, const at::
       float got[NR], want[NR];
       std::memcpy(got, w, sizeof(got));
       for (int64_t j = 0; j < NR; ++j) want[j] = p * NR + j < N ? wp[(p * NR + j) * K + k] : 0.f;
-      if (std::memcmp(got, want, sizeof(got)) != 0) return at::empty({0}, out.options());
+      // Equal values: a zero's sign aside, which no product sum sees (the tiles' accumulators
+      // start at +0, and +0 plus a zero product of either sign is +0).
+      if (!std::equal(got, got + NR, want)) return at::empty({0}, out.options());
     }
   }
   return out;
