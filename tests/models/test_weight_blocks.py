@@ -122,9 +122,10 @@ def test_an_engine_of_q4_k_weights_reads_them_as_blocks_and_matches_hf(
     weights, one sequence (the blocks) and several (blocks and float32 panels by turns)."""
     def q4_k_projections(hf: torch.nn.Module) -> None:
         with torch.no_grad():
-            for i, m in enumerate(hf.model.modules()):
+            for i, m in enumerate(hf.get_submodule("model").modules()):
                 if isinstance(m, torch.nn.Linear):
-                    m.weight.copy_(gguf_q4_k(*m.weight.shape, seed=i, scale=0.0005))
+                    rows, cols = m.weight.shape
+                    m.weight.copy_(gguf_q4_k(rows, cols, seed=i, scale=0.0005))
 
     tiny = make_tiny_llama(tmp_path / "engine", hidden_size=256, intermediate_size=512,
                            weights=q4_k_projections)
