@@ -22,6 +22,7 @@ import functools
 import itertools
 import logging
 import math
+from collections import Counter
 
 import torch
 import torch.nn.functional as F
@@ -168,6 +169,14 @@ def rotary_embeddings(cfg: ModelConfig) -> tuple[RotaryEmbedding, RotaryEmbeddin
                                  RopeScaling())
 
 
+def _narrower_form(blocks: torch.Tensor | None) -> str:
+    """What a projection's few-row steps read (kernels.NativeLinear.blocks), for the load log."""
+    if blocks is None:
+        return "read float32"
+    return {torch.uint8: "read 4-bit GGUF blocks", torch.int8: "read Q8_0 blocks",
+            torch.bfloat16: "read bfloat16", torch.float16: "read float16"}[blocks.dtype]
+
+
 class DecoderModel(nn.Module):
     """This stage's layers (numbered from 0 within the stage), with the embedding on the first
     stage and the final norm on the last. The rotary tables are computed, not loaded: the loader
@@ -288,10 +297,10 @@ class CausalLM(nn.Module):
                 m.pack_native(functools.partial(kernel.pack, out=arena[start:start + numel]),
                               kernel.op, kernel.blocks)
             self.native_linears = True
-            blocked = sum(m.native_blocks is not None for m in linears)
+            forms = Counter(_narrower_form(m.native_blocks) for m in linears)
             log.info("projections: native float32 kernel on the engine thread and an idle-CPU "
-                     "helper; %d of %d read as exact GGUF blocks in steps of few rows "
-                     "(models.weight_blocks); greedy rows' LM head %s", blocked, len(linears),
+                     "helper; in steps of few rows %s (kernels.NativeLinear.blocks); greedy "
+                     "rows' LM head %s", ", ".join(f"{n} {form}" for form, n in forms.items()),
                      "screened (models.greedy_head)" if self.greedy_head is not None
                      else "in full")
             return len(linears)

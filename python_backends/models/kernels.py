@@ -184,9 +184,10 @@ class NativeLinear:
 
     @staticmethod
     def blocks(weight: torch.Tensor) -> torch.Tensor | None:
-        """W's GGUF blocks packed for the kernel (models.weight_blocks: the same float32
-        values, from 4-bit (Q4_1, Q4_0, Q4_K) or Q8_0 blocks), or None: W is made of neither, or
-        `LLM_WEIGHT_BLOCKS=0`."""
+        """W's exact narrower form packed for the kernel, or None: W has none, or
+        `LLM_WEIGHT_BLOCKS=0`. The same float32 values, from GGUF blocks (models.weight_blocks:
+        4-bit, from Q4_1, Q4_0 or Q4_K; Q8_0), else as 16-bit floats (a checkpoint stored in
+        bfloat16 or float16, widened to float32 by the engine build)."""
         if os.environ.get(BLOCKS_ENV, "1").strip() == "0":
             return None
         ops = torch.ops.llm_kernels
@@ -195,7 +196,7 @@ class NativeLinear:
         elif (q80 := weight_blocks.q8_0_blocks(weight)) is not None:
             packed = ops.pack_blocks(weight, q80.q, q80.d)
         else:
-            return None
+            packed = ops.pack_halves(weight.detach().cpu())
         return packed if packed.numel() else None
 
     def packed_shape(self, n: int, k: int) -> tuple[int, int, int]:

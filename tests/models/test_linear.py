@@ -223,6 +223,32 @@ def test_calls_reading_the_blocks_equal_the_float_panels_bit_for_bit(ops, helper
     assert (error <= k * 2**-24 * (x.double().abs() @ w.double().abs().T)).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("rows", "k", "n"), BLOCK_SHAPES)
+def test_calls_reading_16_bit_weights_equal_the_float_panels_bit_for_bit(ops, helper, rows, k, n,
+                                                                         dtype):
+    """A float32 weight that is 16-bit floats widened (a bfloat16 or float16 checkpoint)."""
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(n)).to(dtype).float()
+    w[0, :3] = torch.tensor([0.0, -0.0, 1e-5]).to(dtype).float()  # zeros, a float16 subnormal
+    halves = ops.pack_halves(w)
+    panel = ops.pack_linear_weight(torch.zeros(1, 1)).shape[-1]
+    assert halves.dtype == dtype and halves.shape == (-(-n // panel), k * panel)
+    packed = ops.pack_linear_weight(w)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    assert torch.equal(ops.linear(x, packed, n, halves), ops.linear(x, packed, n))
+
+
+def test_weights_that_are_not_16_bit_floats_are_not_packed_as_such(ops):
+    w = torch.randn(40, 64).bfloat16().float()
+    assert ops.pack_halves(w).dtype == torch.bfloat16
+    w[7, 9] = torch.nextafter(w[7, 9], torch.tensor(9.0))  # one bit below bfloat16's
+    assert ops.pack_halves(w).numel() == 0  # nor a float16: its exponent range is the float's
+    assert ops.pack_halves(torch.randn(8, 64)).numel() == 0
+    assert ops.pack_halves(torch.randn(8, 48).bfloat16().float()).numel() == 0  # K not in 32s
+    big = torch.tensor([[2.0**17] + [0.0] * 31])  # a bfloat16, too large for a float16
+    assert ops.pack_halves(big).dtype == torch.bfloat16
+
+
 def test_blocks_that_do_not_give_back_the_weight_are_not_packed(ops):
     w = gguf_q4_1(40, 64)
     found = q4_1_blocks(w)

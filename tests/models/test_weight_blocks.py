@@ -115,27 +115,39 @@ def test_weights_that_are_not_q8_0_blocks_are_refused() -> None:
     assert q8_0_blocks(one_off) is None
 
 
-def test_an_engine_of_q4_k_weights_reads_them_as_blocks_and_matches_hf(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A checkpoint whose projections are Q4_K (as transformers dequantizes a Q4_K GGUF): the
-    engine finds every projection's blocks, and greedy output equals Hugging Face's on those
-    weights, one sequence (the blocks) and several (blocks and float32 panels by turns)."""
-    def q4_k_projections(hf: torch.nn.Module) -> None:
+def q4_k_weight(w: torch.Tensor, seed: int) -> torch.Tensor:
+    return gguf_q4_k(w.shape[0], w.shape[1], seed=seed, scale=0.0005)
+
+
+NARROWER = {  # a checkpoint's weights as the engine build gets them, by what they are stored as
+    "q4_k": q4_k_weight,  # a Q4_K GGUF, dequantized by transformers
+    "bfloat16": lambda w, _seed: w.bfloat16().float(),  # most Hugging Face checkpoints
+    "float16": lambda w, _seed: w.half().float(),
+}
+
+
+@pytest.mark.parametrize("stored", list(NARROWER))
+def test_an_engine_reads_weights_in_their_narrower_form_and_matches_hf(
+        tmp_path: Path, stored: str) -> None:
+    """A float32 engine of a checkpoint whose projections are Q4_K blocks, bfloat16 or float16
+    values: it finds every projection's narrower form (the LM head's too), and greedy output
+    equals Hugging Face's on those weights, one sequence (steps that read the narrower form)
+    and several (those and the float32 panels by turns)."""
+    def narrower(hf: torch.nn.Module) -> None:
         with torch.no_grad():
-            for i, m in enumerate(hf.get_submodule("model").modules()):
+            for i, m in enumerate(hf.modules()):
                 if isinstance(m, torch.nn.Linear):
-                    rows, cols = m.weight.shape
-                    m.weight.copy_(gguf_q4_k(rows, cols, seed=i, scale=0.0005))
+                    m.weight.copy_(NARROWER[stored](m.weight, i))
 
     tiny = make_tiny_llama(tmp_path / "engine", hidden_size=256, intermediate_size=512,
-                           weights=q4_k_projections)
+                           weights=narrower)
     threads = torch.get_num_threads()
     try:
         engine = LLMEngine.from_engine_dir(tiny.engine_dir, num_kv_blocks=128, cpu_threads=1)
     finally:
         torch.set_num_threads(threads)
-    layers = [m for m in engine.runner.model.model.layers.modules() if isinstance(m, Linear)]
-    assert layers and all(m.native_blocks is not None for m in layers)
+    linears = [m for m in engine.runner.model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.native_blocks is not None for m in linears)
     for batch in (prompts(1), prompts(4, seed=2)):
         seqs = [engine.add_request(f"s{i}-{len(batch)}", p, SamplingParams(max_tokens=6))
                 for i, p in enumerate(batch)]

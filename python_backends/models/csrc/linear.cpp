@@ -18,12 +18,14 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/zeros.h>
+#include <c10/util/Half.h>
 #include <immintrin.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cmath>
 #include <cstring>
 #include <functional>
 #include <limits>
@@ -171,6 +173,59 @@ struct Q80 {
     panel[k * kStride + j] = q;
   }
 };
+
+// Weights that are 16-bit floats exactly (uint16 per weight, bfloat16 or float16 bits): a
+// float32 engine of a checkpoint stored in bfloat16 or float16 holds such values, widened
+// exactly. [K][NR] 16-bit values, no scales; half the float32 panel's bytes. Widening a bfloat16
+// is a shift, a float16 one vcvtph2ps: exact either way.
+template <bool kBf16>
+struct Halves {
+  static constexpr int64_t kStride = NR * 2;
+  int64_t K;
+  int64_t bytes() const { return K * kStride; }
+  struct Scales {};
+  Scales block(const uint8_t*, int64_t) const { return {}; }
+  void at(const uint8_t* panel, int64_t k, const Scales&, vec& w0, vec& w1) const {
+    const uint8_t* p = panel + k * kStride;
+#if defined(__AVX512F__)
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32));
+    if constexpr (kBf16) {
+      w0 = (vec)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(a), 16));
+      w1 = (vec)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+    } else {
+      w0 = (vec)_mm512_cvtph_ps(a);
+      w1 = (vec)_mm512_cvtph_ps(b);
+    }
+#else
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16));
+    if constexpr (kBf16) {
+      w0 = (vec)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(a), 16));
+      w1 = (vec)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
+    } else {
+      w0 = (vec)_mm256_cvtph_ps(a);
+      w1 = (vec)_mm256_cvtph_ps(b);
+    }
+#endif
+  }
+  // The 16-bit value of `w`, if it is one exactly.
+  static std::optional<uint16_t> narrow(float w) {
+    uint32_t b;
+    std::memcpy(&b, &w, sizeof b);
+    if constexpr (kBf16) {
+      if (b & 0xFFFFu) return std::nullopt;
+      return static_cast<uint16_t>(b >> 16);
+    } else {
+      const c10::Half h(w);
+      if (static_cast<float>(h) != w || std::signbit(static_cast<float>(h)) != std::signbit(w))
+        return std::nullopt;
+      return h.x;
+    }
+  }
+};
+using BF16 = Halves<true>;
+using F16 = Halves<false>;
 
 template <int64_t R, class F>
 inline void block_tile(const float* x, int64_t K, const uint8_t* panel, float* dst, int64_t ld,
@@ -339,6 +394,24 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
   return padded.view({P, NR, K}).transpose(1, 2).contiguous();  // [P, K, NR]
 }
 
+// Whether panel p of F gives back weight [N, K]'s features p * NR... with the kernel's own
+// arithmetic (padding features: zeros, as the float panels'), as values: a zero's sign aside,
+// which no product sum sees (the tiles' accumulators start at +0, and +0 plus a zero product
+// of either sign is +0).
+template <class F>
+bool gives_back(const F& format, const uint8_t* panel, const float* wp, int64_t p, int64_t N) {
+  const int64_t K = format.K;
+  for (int64_t k = 0; k < K; ++k) {
+    vec w[2];
+    format.at(panel, k, format.block(panel, k / kBlock), w[0], w[1]);
+    float got[NR], want[NR];
+    std::memcpy(got, w, sizeof(got));
+    for (int64_t j = 0; j < NR; ++j) want[j] = p * NR + j < N ? wp[(p * NR + j) * K + k] : 0.f;
+    if (!std::equal(got, got + NR, want)) return false;
+  }
+  return true;
+}
+
 // Weight [N, K]'s blocks (models/weight_blocks.py: q [N, K], d and m float32 [N, K / kBlock])
 // in F's panels, or an empty tensor where F's arithmetic does not give back every float32 weight
 // bit for bit (then calls read the float32 panels alone).
@@ -363,18 +436,44 @@ at::Tensor pack_format(const at::Tensor& weight, const at::Tensor& q, const at::
         if (ms != nullptr) ms[b * NR + j] = mp[row * B + b];
       }
     }
-    // Checked with the kernel's own arithmetic (padding features: zeros, as the float panels').
-    for (int64_t k = 0; k < K; ++k) {
-      vec w[2];
-      format.at(panel, k, format.block(panel, k / kBlock), w[0], w[1]);
-      float got[NR], want[NR];
-      std::memcpy(got, w, sizeof(got));
-      for (int64_t j = 0; j < NR; ++j) want[j] = p * NR + j < N ? wp[(p * NR + j) * K + k] : 0.f;
-      // Equal values: a zero's sign aside, which no product sum sees (the tiles' accumulators
-      // start at +0, and +0 plus a zero product of either sign is +0).
-      if (!std::equal(got, got + NR, want)) return at::empty({0}, out.options());
-    }
+    if (!gives_back(format, panel, wp, p, N)) return at::empty({0}, out.options());
   }
+  return out;
+}
+
+// Weight [N, K] as 16-bit values in F's panels (BF16, F16), or an empty tensor where one weight
+// is not such a value.
+template <class F>
+at::Tensor pack_halves_as(const at::Tensor& weight, at::ScalarType dtype) {
+  const int64_t N = weight.size(0), K = weight.size(1), P = (N + NR - 1) / NR;
+  const F format{K};
+  at::Tensor out = at::zeros({P, format.bytes() / 2}, at::TensorOptions().dtype(dtype));
+  const float* wp = weight.const_data_ptr<float>();
+  auto* base = reinterpret_cast<uint8_t*>(out.mutable_data_ptr());
+  for (int64_t p = 0; p < P; ++p) {
+    uint8_t* panel = base + p * format.bytes();
+    for (int64_t j = 0; j < NR && p * NR + j < N; ++j) {
+      for (int64_t k = 0; k < K; ++k) {
+        const std::optional<uint16_t> h = F::narrow(wp[(p * NR + j) * K + k]);
+        if (!h) return at::empty({0}, out.options());
+        std::memcpy(panel + k * F::kStride + 2 * j, &*h, 2);
+      }
+    }
+    if (!gives_back(format, panel, wp, p, N)) return at::empty({0}, out.options());
+  }
+  return out;
+}
+
+// A float32 weight [N, K] whose every value is a bfloat16 (else a float16), packed for few-row
+// calls to read as such (a bfloat16 or float16 tensor); an empty one where it is neither.
+at::Tensor pack_halves(const at::Tensor& weight_in) {
+  TORCH_CHECK(weight_in.device().is_cpu() && weight_in.scalar_type() == at::kFloat &&
+                  weight_in.dim() == 2,
+              "pack_halves: a float32 CPU weight [N, K]");
+  const at::Tensor weight = weight_in.contiguous();
+  if (weight.numel() == 0 || weight.size(1) % kBlock) return at::empty({0}, at::kBFloat16);
+  at::Tensor out = pack_halves_as<BF16>(weight, at::kBFloat16);
+  if (out.numel() == 0) out = pack_halves_as<F16>(weight, at::kHalf);
   return out;
 }
 
@@ -460,16 +559,23 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n,
   double flops_per_s = 100e9;
   int64_t weight_bytes = sizeof(float);
   if (blocks.has_value() && blocks->numel() > 0 && T <= kBlockRows) {
-    const bool q41 = blocks->scalar_type() == at::kByte;
-    TORCH_CHECK((q41 || blocks->scalar_type() == at::kChar) && blocks->dim() == 2 &&
-                    blocks->is_contiguous() && blocks->size(0) == P &&
-                    blocks->size(1) == (q41 ? Q41{K}.bytes() : Q80{K}.bytes()),
-                "linear: blocks from pack_blocks for this weight");
+    const at::ScalarType kind = blocks->scalar_type();
+    using BlockPanels = void (*)(const float*, int64_t, int64_t, const uint8_t*, int64_t,
+                                 int64_t, int64_t, float*, int64_t);
+    BlockPanels run = nullptr;
+    int64_t bytes = 0;
+    if (kind == at::kByte) run = block_panels<Q41>, bytes = Q41{K}.bytes();
+    if (kind == at::kChar) run = block_panels<Q80>, bytes = Q80{K}.bytes();
+    if (kind == at::kBFloat16) run = block_panels<BF16>, bytes = BF16{K}.bytes();
+    if (kind == at::kHalf) run = block_panels<F16>, bytes = F16{K}.bytes();
+    TORCH_CHECK(run != nullptr && blocks->dim() == 2 && blocks->is_contiguous() &&
+                    blocks->size(0) == P && blocks->size(1) * blocks->element_size() == bytes,
+                "linear: blocks from pack_blocks or pack_halves for this weight");
     const auto* bp = reinterpret_cast<const uint8_t*>(blocks->const_data_ptr());
     keep.push_back(*blocks);
-    weight_bytes = 2;  // a fifth to a third of the bytes, but dequantized: about half the time
+    weight_bytes = 2;  // a fifth to a half of the bytes, but widened: about half the time
     compute = [=](int64_t, int64_t p0, int64_t p1, float* dst, int64_t ld) {
-      (q41 ? block_panels<Q41> : block_panels<Q80>)(xp, T, K, bp, n, p0, p1, dst, ld);
+      run(xp, T, K, bp, n, p0, p1, dst, ld);
     };
   }
 #ifdef LLM_AMX
@@ -820,6 +926,7 @@ TORCH_LIBRARY_FRAGMENT(llm_kernels, m) {
   m.def("screen_path() -> str", &screen_path);
   m.def("pack_linear_weight(Tensor weight) -> Tensor", &pack_linear_weight);
   m.def("pack_blocks(Tensor weight, Tensor q, Tensor d, Tensor? m=None) -> Tensor", &pack_blocks);
+  m.def("pack_halves(Tensor weight) -> Tensor", &pack_halves);
   m.def("linear(Tensor x, Tensor packed, int out_features, Tensor? blocks=None) -> Tensor",
         &linear);
   m.def("pack_screen_weight(Tensor weight) -> Tensor", &pack_screen_weight);
