@@ -113,6 +113,17 @@ def cpu_flags() -> frozenset[str]:
     return frozenset((_cpuinfo("flags") or "").split())
 
 
+def memory_available() -> int | None:
+    """Bytes the kernel reckons can be allocated without swapping (MemAvailable); None where
+    /proc/meminfo cannot be read."""
+    try:
+        lines = (PROC / "meminfo").read_text().splitlines()
+    except OSError:
+        return None
+    kib = next((ln.split()[1] for ln in lines if ln.startswith("MemAvailable:")), None)
+    return int(kib) * 1024 if kib is not None and kib.isdigit() else None
+
+
 def cpu_description() -> str:
     """The CPU's model name and which of ISA_FLAGS it has, for benchmark records."""
     model = _cpuinfo("model name")

@@ -140,3 +140,11 @@ def test_the_cpu_is_described_by_its_model_and_instruction_sets() -> None:
             break
     have = [f for f in procfs.ISA_FLAGS if f in flags]
     assert described.endswith(f"({', '.join(have)})" if have else ")")
+
+
+def test_memory_available_is_what_meminfo_says() -> None:
+    available = procfs.memory_available()
+    assert available is not None and available > 0
+    total = next(int(ln.split()[1]) for ln in
+                 Path("/proc/meminfo").read_text().splitlines() if ln.startswith("MemTotal:"))
+    assert available <= total * 1024

@@ -23,11 +23,13 @@ import itertools
 import logging
 import math
 from collections import Counter
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from python_backends import procfs
 from python_backends.config import ModelConfig, RopeScaling
 from python_backends.host_memory import huge_page_empty
 from python_backends.models import kernels
@@ -169,6 +171,30 @@ def rotary_embeddings(cfg: ModelConfig) -> tuple[RotaryEmbedding, RotaryEmbeddin
                                  RopeScaling())
 
 
+class NarrowerBudget:
+    """What the projections' narrower forms (kernels.NativeLinear.blocks: kept beside the
+    float32 panels, up to half their bytes again for a 16-bit checkpoint) may take: a quarter
+    of the memory available at load, so that a model that fits in float32 still loads. Past it
+    the rest read float32 only."""
+
+    SHARE = 4  # a 1/SHARE of MemAvailable
+
+    def __init__(self, available: int | None) -> None:
+        self.available = available
+        self.left = available // self.SHARE if available is not None else None
+        self.refused = 0
+
+    def blocks(self, find: Callable[[torch.Tensor], torch.Tensor | None],
+               weight: torch.Tensor) -> torch.Tensor | None:
+        if self.left is not None and self.left <= 0:
+            self.refused += 1
+            return None
+        found = find(weight)
+        if found is not None and self.left is not None:
+            self.left -= found.numel() * found.element_size()
+        return found
+
+
 def _narrower_form(blocks: torch.Tensor | None) -> str:
     """What a projection's few-row steps read (kernels.NativeLinear.blocks), for the load log."""
     if blocks is None:
@@ -292,11 +318,16 @@ class CausalLM(nn.Module):
             # One huge-page mapping for all of them, in the order a step reads them.
             numels = [math.prod(kernel.packed_shape(*m.weight.shape)) for m in linears]
             arena = huge_page_empty(sum(numels), torch.float32)
+            budget = NarrowerBudget(procfs.memory_available())
             for m, start, numel in zip(linears, itertools.accumulate([0, *numels]), numels,
                                        strict=False):
                 m.pack_native(functools.partial(kernel.pack, out=arena[start:start + numel]),
-                              kernel.op, kernel.blocks)
+                              kernel.op, functools.partial(budget.blocks, kernel.blocks))
             self.native_linears = True
+            if budget.refused:
+                log.warning("%d projections read float32 only: their narrower forms would "
+                            "have passed a quarter of the memory available at load (%d MiB)",
+                            budget.refused, (budget.available or 0) >> 20)
             forms = Counter(_narrower_form(m.native_blocks) for m in linears)
             log.info("projections: native float32 kernel on the engine thread and an idle-CPU "
                      "helper; in steps of few rows %s (kernels.NativeLinear.blocks); greedy "

@@ -12,6 +12,7 @@ from gguf import GGMLQuantizationType, quants
 
 from python_backends.engine.llm_engine import LLMEngine
 from python_backends.models import kernels
+from python_backends.models.decoder import NarrowerBudget
 from python_backends.models.weight_blocks import BLOCK, q4_1_blocks, q8_0_blocks
 from python_backends.parallel.layers import Linear
 from python_backends.params import SamplingParams
@@ -154,3 +155,19 @@ def test_an_engine_reads_weights_in_their_narrower_form_and_matches_hf(
         while engine.has_unfinished:
             engine.step()
         assert [s.output_ids for s in seqs] == [tiny.greedy(p, 6) for p in batch]
+
+
+def test_narrower_forms_stop_at_a_quarter_of_the_memory_available() -> None:
+    found: list[int] = []
+
+    def find(w: torch.Tensor) -> torch.Tensor:
+        found.append(w.numel())
+        return torch.empty(w.numel(), dtype=torch.bfloat16)  # 2 bytes a weight
+
+    budget = NarrowerBudget(4 * 2000)  # 2000 bytes for narrower forms
+    weights = [torch.zeros(300) for _ in range(5)]  # 600 bytes each
+    kept = [budget.blocks(find, w) for w in weights]
+    assert [k is not None for k in kept] == [True, True, True, True, False]  # 2400 > 2000
+    assert found == [300] * 4 and budget.refused == 1  # past it, none is even searched
+    unknown = NarrowerBudget(None)  # no /proc/meminfo: no limit
+    assert all(unknown.blocks(find, w) is not None for w in weights) and not unknown.refused
