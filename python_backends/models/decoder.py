@@ -184,23 +184,22 @@ class NarrowerBudget:
         self.left = available // self.SHARE if available is not None else None
         self.refused = 0
 
-    def blocks(self, find: Callable[[torch.Tensor], torch.Tensor | None],
-               weight: torch.Tensor) -> torch.Tensor | None:
+    def blocks(self, find: Callable[[torch.Tensor], kernels.Narrow | None],
+               weight: torch.Tensor) -> kernels.Narrow | None:
         if self.left is not None and self.left <= 0:
             self.refused += 1
             return None
         found = find(weight)
         if found is not None and self.left is not None:
-            self.left -= found.numel() * found.element_size()
+            self.left -= found.packed.numel() * found.packed.element_size()
         return found
 
 
-def _narrower_form(blocks: torch.Tensor | None) -> str:
+def _narrower_form(linear: Linear) -> str:
     """What a projection's few-row steps read (kernels.NativeLinear.blocks), for the load log."""
-    if blocks is None:
-        return "read float32"
-    return {torch.uint8: "read 4-bit GGUF blocks", torch.int8: "read Q8_0 blocks",
-            torch.bfloat16: "read bfloat16", torch.float16: "read float16"}[blocks.dtype]
+    return "as " + {"": "float32", "q4": "4-bit GGUF blocks", "u8g32": "5-bit GGUF blocks",
+                    "u8g16": "Q6_K blocks", "q8": "Q8_0 blocks", "bf16": "bfloat16",
+                    "f16": "float16"}[linear.native_kind]
 
 
 class DecoderModel(nn.Module):
@@ -328,9 +327,9 @@ class CausalLM(nn.Module):
                 log.warning("%d projections read float32 only: their narrower forms would "
                             "have passed a quarter of the memory available at load (%d MiB)",
                             budget.refused, (budget.available or 0) >> 20)
-            forms = Counter(_narrower_form(m.native_blocks) for m in linears)
+            forms = Counter(_narrower_form(m) for m in linears)
             log.info("projections: native float32 kernel on the engine thread and an idle-CPU "
-                     "helper; in steps of few rows %s (kernels.NativeLinear.blocks); greedy "
+                     "helper, read in steps of few rows %s (kernels.NativeLinear.blocks); greedy "
                      "rows' LM head %s", ", ".join(f"{n} {form}" for form, n in forms.items()),
                      "screened (models.greedy_head)" if self.greedy_head is not None
                      else "in full")

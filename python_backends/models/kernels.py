@@ -173,31 +173,42 @@ def layer_ops(x: torch.Tensor) -> Any | None:
 
 
 @dataclass(frozen=True)
+class Narrow:
+    """A weight's exact narrower form, packed for the kernel: `kind` is its layout (csrc/
+    linear.cpp: "q4", "u8g32", "u8g16", "q8" from GGUF blocks, "bf16", "f16")."""
+
+    packed: torch.Tensor
+    kind: str
+
+
+@dataclass(frozen=True)
 class NativeLinear:
-    """The float32 projection kernel: `op(x [T, k], packed, n, blocks)` computes x W^T on the
-    calling thread and an idle-CPU helper (csrc/idle_helper.h), from a weight W [n, k] that
+    """The float32 projection kernel: `op(x [T, k], packed, n, blocks, kind)` computes x W^T on
+    the calling thread and an idle-CPU helper (csrc/idle_helper.h), from a weight W [n, k] that
     `pack` has laid out in panels of `panel` output features (`packed_shape(n, k)`); calls of
-    few rows read W's exact GGUF blocks instead where `blocks` found them."""
+    few rows read W's narrower form `blocks` (of layout `kind`) instead where it has one."""
 
     panel: int
-    op: Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor | None], torch.Tensor]
+    op: Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor | None, str], torch.Tensor]
 
     @staticmethod
-    def blocks(weight: torch.Tensor) -> torch.Tensor | None:
-        """W's exact narrower form packed for the kernel, or None: W has none, or
-        `LLM_WEIGHT_BLOCKS=0`. The same float32 values, from GGUF blocks (models.weight_blocks:
-        4-bit, from Q4_1, Q4_0 or Q4_K; Q8_0), else as 16-bit floats (a checkpoint stored in
+    def blocks(weight: torch.Tensor) -> Narrow | None:
+        """W's exact narrower form, or None: W has none, or `LLM_WEIGHT_BLOCKS=0`. The same
+        float32 values, from GGUF blocks (models.weight_blocks: 4-bit from Q4_1, Q4_0 or Q4_K;
+        5-bit from Q5_0, Q5_1, Q5_K; Q6_K; Q8_0), else as 16-bit floats (a checkpoint stored in
         bfloat16 or float16, widened to float32 by the engine build)."""
         if os.environ.get(BLOCKS_ENV, "1").strip() == "0":
             return None
         ops = torch.ops.llm_kernels
-        if (q41 := weight_blocks.q4_1_blocks(weight)) is not None:
-            packed = ops.pack_blocks(weight, q41.q, q41.d, q41.m)
-        elif (q80 := weight_blocks.q8_0_blocks(weight)) is not None:
-            packed = ops.pack_blocks(weight, q80.q, q80.d)
-        else:
-            packed = ops.pack_halves(weight.detach().cpu())
-        return packed if packed.numel() else None
+        for kind in weight_blocks.KINDS:
+            found = weight_blocks.find(weight, kind)
+            if found is not None:
+                packed = ops.pack_blocks(weight, found.q, found.d, found.m, kind)
+                return Narrow(packed, kind) if packed.numel() else None
+        halves = ops.pack_halves(weight.detach().cpu())
+        if not halves.numel():
+            return None
+        return Narrow(halves, "bf16" if halves.dtype == torch.bfloat16 else "f16")
 
     def packed_shape(self, n: int, k: int) -> tuple[int, int, int]:
         return (-(-n // self.panel), k, self.panel)

@@ -21,7 +21,7 @@ from torch import nn
 from python_backends.parallel.context import ParallelContext
 
 # (x [T, in], packed, out, blocks) -> [T, out]
-NativeOp = Callable[[torch.Tensor, Any, int, torch.Tensor | None], torch.Tensor]
+NativeOp = Callable[[torch.Tensor, Any, int, torch.Tensor | None, str], torch.Tensor]
 
 
 def int8_supported() -> str | None:
@@ -70,7 +70,8 @@ class Linear(nn.Linear):
     quantized: Any = None  # int8 weights packed for fbgemm (quantize_int8)
     native: torch.Tensor | None = None  # the weight as `native_op` reads it (pack_native)
     native_op: NativeOp | None = None
-    native_blocks: torch.Tensor | None = None  # the weight's exact GGUF blocks (pack_native)
+    native_blocks: torch.Tensor | None = None  # the weight's exact narrower form (pack_native)
+    native_kind = ""  # its layout (kernels.Narrow.kind)
 
     def quantize_int8(self) -> None:
         """Keep the weight as int8, one scale per output feature (symmetric), packed for
@@ -99,16 +100,18 @@ class Linear(nn.Linear):
         return True
 
     def pack_native(self, pack: Callable[[torch.Tensor], torch.Tensor], op: NativeOp,
-                    blocks: Callable[[torch.Tensor], torch.Tensor | None] | None = None) -> bool:
+                    blocks: Callable[[torch.Tensor], Any] | None = None) -> bool:
         """Compute with a native kernel from now on (the engine's float32 CPU projection,
         python_backends.models.kernels): `pack` lays the weight out for `op(x, packed,
-        out_features, blocks)`, and `blocks`, if given, finds the weight's exact GGUF blocks
-        (None where it has none). float32 CPU weights without bias only; False, and nothing
-        changed, for others."""
+        out_features, blocks, kind)`, and `blocks`, if given, finds the weight's exact narrower
+        form (kernels.Narrow: `packed` and `kind`; None where it has none). float32 CPU weights
+        without bias only; False, and nothing changed, for others."""
         weight = self.weight.detach()
         if weight.device.type != "cpu" or weight.dtype != torch.float32:
             return False
-        self.native_blocks = blocks(weight) if blocks is not None else None
+        narrow = blocks(weight) if blocks is not None else None
+        if narrow is not None:
+            self.native_blocks, self.native_kind = narrow.packed, narrow.kind
         self.native, self.native_op = pack(weight), op
         self.weight = nn.Parameter(torch.empty(0, dtype=weight.dtype), requires_grad=False)
         return True
@@ -133,7 +136,7 @@ class Linear(nn.Linear):
         if self.native_op is not None:
             rows = x.reshape(-1, x.shape[-1])
             return self.native_op(rows, self.native, self.out_features,
-                                  self.native_blocks).view(
+                                  self.native_blocks, self.native_kind).view(
                 *x.shape[:-1], self.out_features)
         if self.plain is not None and x.shape[0] == 1:
             return F.linear(x, self.plain)

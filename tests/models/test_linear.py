@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from python_backends.models import cpu_isa, kernels
-from python_backends.models.weight_blocks import q4_1_blocks, q8_0_blocks
-from tests.models.test_weight_blocks import gguf_q4_0, gguf_q4_1, gguf_q4_k, gguf_q8_0
+from python_backends.models.weight_blocks import find
+from tests.models.test_weight_blocks import READ_AS, first_found, gguf_of, gguf_q4_1, gguf_q8_0
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +81,7 @@ def test_a_weight_packed_again_in_place_is_read_anew(ops, helper):
     for seed in range(3):
         w = torch.randn(3000, 576, generator=torch.Generator().manual_seed(seed)) / 24
         kernel.pack(w, out=packed)
-        got = kernel.op(x, packed, 3000, None).double()
+        got = kernel.op(x, packed, 3000, None, "").double()
         torch.testing.assert_close(got, x.double() @ w.double().T, rtol=0, atol=2e-5)
 
 
@@ -189,7 +189,7 @@ def test_packs_into_memory_the_caller_gives(ops):
     packed = kernel.pack(w, out=arena[3:-3])
     assert packed.data_ptr() == arena[3:].data_ptr() and packed.shape == shape
     assert (arena[:3] == -1).all() and (arena[-3:] == -1).all()
-    torch.testing.assert_close(kernel.op(torch.eye(64), packed, 100, None), w.T)
+    torch.testing.assert_close(kernel.op(torch.eye(64), packed, 100, None, ""), w.T)
 
 
 # Weights made of Q4_1 blocks (models/weight_blocks.py): calls of up to 12 rows (one tile) read
@@ -198,28 +198,22 @@ BLOCK_SHAPES = [(1, 64, 96), (3, 576, 960), (12, 576, 7), (5, 1536, 576), (13, 5
                 (40, 64, 33)]
 
 
-@pytest.mark.parametrize("kind", ["Q4_1", "Q4_0", "Q4_K", "Q8_0"])
+@pytest.mark.parametrize("gguf", list(READ_AS))
 @pytest.mark.parametrize(("rows", "k", "n"), BLOCK_SHAPES)
 def test_calls_reading_the_blocks_equal_the_float_panels_bit_for_bit(ops, helper, rows, k, n,
-                                                                      kind):
-    if kind.startswith("Q4"):
-        if kind == "Q4_K":
-            k = -(-k // 256) * 256  # whole super-blocks
-        w = {"Q4_1": gguf_q4_1, "Q4_0": gguf_q4_0, "Q4_K": gguf_q4_k}[kind](n, k, seed=rows)
-        q41 = q4_1_blocks(w)
-        assert q41 is not None
-        blocks = ops.pack_blocks(w, q41.q, q41.d, q41.m)
-    else:
-        w = gguf_q8_0(n, k, seed=rows)
-        q80 = q8_0_blocks(w)
-        assert q80 is not None
-        blocks = ops.pack_blocks(w, q80.q, q80.d)
+                                                                      gguf):
+    w = gguf_of(gguf, n, k, seed=rows)  # K-quants: k in whole super-blocks of 256
+    k = w.shape[1]
+    found = first_found(w)
+    assert found is not None and found.kind == READ_AS[gguf]
+    blocks = ops.pack_blocks(w, found.q, found.d, found.m, found.kind)
     assert blocks.numel() > 0
     packed = ops.pack_linear_weight(w)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
-    assert torch.equal(ops.linear(x, packed, n, blocks), ops.linear(x, packed, n))
+    assert torch.equal(ops.linear(x, packed, n, blocks, found.kind), ops.linear(x, packed, n))
     # And x W^T within float32 summation's error bound (k roundings of 2^-24 of sum |x| |w|).
-    error = (ops.linear(x, packed, n, blocks).double() - x.double() @ w.double().T).abs()
+    error = (ops.linear(x, packed, n, blocks, found.kind).double()
+             - x.double() @ w.double().T).abs()
     assert (error <= k * 2**-24 * (x.double().abs() @ w.double().abs().T)).all()
 
 
@@ -235,7 +229,8 @@ def test_calls_reading_16_bit_weights_equal_the_float_panels_bit_for_bit(ops, he
     assert halves.dtype == dtype and halves.shape == (-(-n // panel), k * panel)
     packed = ops.pack_linear_weight(w)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
-    assert torch.equal(ops.linear(x, packed, n, halves), ops.linear(x, packed, n))
+    kind = "bf16" if dtype == torch.bfloat16 else "f16"
+    assert torch.equal(ops.linear(x, packed, n, halves, kind), ops.linear(x, packed, n))
 
 
 def test_weights_that_are_not_16_bit_floats_are_not_packed_as_such(ops):
@@ -251,23 +246,29 @@ def test_weights_that_are_not_16_bit_floats_are_not_packed_as_such(ops):
 
 def test_blocks_that_do_not_give_back_the_weight_are_not_packed(ops):
     w = gguf_q4_1(40, 64)
-    found = q4_1_blocks(w)
+    found = find(w, "q4")
     assert found is not None
     w[33, 5] = torch.nextafter(w[33, 5], torch.tensor(9.0))
-    assert ops.pack_blocks(w, found.q, found.d, found.m).numel() == 0
+    assert ops.pack_blocks(w, found.q, found.d, found.m, "q4").numel() == 0
     with pytest.raises(RuntimeError, match="q must be in"):
-        ops.pack_blocks(w, found.q + 16, found.d, found.m)
-    with pytest.raises(RuntimeError, match="q uint8 with m"):
-        ops.pack_blocks(w, found.q, found.d)
+        ops.pack_blocks(w, found.q + 16, found.d, found.m, "q4")
+    with pytest.raises(RuntimeError, match="q4 needs m"):
+        ops.pack_blocks(w, found.q, found.d, None, "q4")
+    with pytest.raises(RuntimeError, match="kind q4, q8, u8g32 or u8g16"):
+        ops.pack_blocks(w, found.q, found.d, found.m, "q3")
+    packed = ops.pack_linear_weight(w)
+    with pytest.raises(RuntimeError, match="unknown block layout"):
+        ops.linear(torch.randn(1, 64), packed, 40, torch.zeros(2, 3, dtype=torch.uint8), "q3")
 
 
 def test_native_linear_finds_blocks_unless_switched_off(ops, monkeypatch):
     kernel = kernels.native_linear()
     assert kernel is not None
-    w, w8 = gguf_q4_1(64, 64), gguf_q8_0(64, 64)
-    packed, packed8 = kernel.blocks(w), kernel.blocks(w8)
-    assert packed is not None and packed.dtype == torch.uint8
-    assert packed8 is not None and packed8.dtype == torch.int8
+    weights = {"q4": gguf_q4_1(64, 64), "q8": gguf_q8_0(64, 64), "u8g16": gguf_of("Q6_K", 8, 256),
+               "bf16": torch.randn(64, 64).bfloat16().float()}
+    for kind, w in weights.items():
+        found = kernel.blocks(w)
+        assert found is not None and found.kind == kind and found.packed.numel() > 0
     assert kernel.blocks(torch.randn(64, 64)) is None
     monkeypatch.setenv(kernels.BLOCKS_ENV, "0")
-    assert kernel.blocks(w) is None and kernel.blocks(w8) is None
+    assert all(kernel.blocks(w) is None for w in weights.values())

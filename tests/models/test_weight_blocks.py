@@ -8,12 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, quants
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
 from python_backends.engine.llm_engine import LLMEngine
 from python_backends.models import kernels
 from python_backends.models.decoder import NarrowerBudget
-from python_backends.models.weight_blocks import BLOCK, q4_1_blocks, q8_0_blocks
+from python_backends.models.weight_blocks import KINDS, Blocks, find
 from python_backends.parallel.layers import Linear
 from python_backends.params import SamplingParams
 from tests.conftest import make_tiny_llama, prompts
@@ -28,7 +28,7 @@ def gguf_weight(rows: int, cols: int, kind: GGMLQuantizationType, seed: int = 0)
     """A float32 weight as transformers gets it from a GGUF of `kind`: quantized and dequantized
     by the gguf package (llama.cpp's reference quantizers and dequantization)."""
     w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32) / 10
-    w[0, :BLOCK] = 0.25  # a constant block (Q4_1: d = 0)
+    w[0, :32] = 0.25  # a constant block (Q4_1: d = 0)
     return torch.from_numpy(quants.dequantize(quants.quantize(w, kind), kind).copy())
 
 
@@ -44,19 +44,48 @@ def gguf_q4_0(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
     return gguf_weight(rows, cols, GGMLQuantizationType.Q4_0, seed)
 
 
-def gguf_q4_k(rows: int, cols: int, seed: int = 0, scale: float = 0.01) -> torch.Tensor:
-    """A float32 weight dequantized by the gguf package from Q4_K super-blocks of random bytes
-    (the gguf package has no Q4_K quantizer): float16 d and dmin below `scale`, random 6-bit
-    scales and mins (0 among them: a sub-block of one value), random 4-bit q. Every such byte
-    string is a valid Q4_K tensor, far-from-zero offsets included."""
-    assert cols % 256 == 0, "Q4_K super-blocks are 256 inputs"
+# The float16 fields of a K-quant super-block (d, and dmin where it has one), by byte offset.
+K_QUANT_HALVES = {GGMLQuantizationType.Q4_K: (0, 2), GGMLQuantizationType.Q5_K: (0, 2),
+                  GGMLQuantizationType.Q6_K: (208,)}
+
+
+def gguf_k_quant(rows: int, cols: int, kind: GGMLQuantizationType, seed: int = 0,
+                 scale: float = 0.01) -> torch.Tensor:
+    """A float32 weight dequantized by the gguf package from `kind` (Q4_K, Q5_K, Q6_K)
+    super-blocks of random bytes (the gguf package quantizes to none of them): float16 d (and
+    dmin) below `scale`, random scales (and mins; 0 among them: sub-blocks of one value) and
+    levels. Every such byte string is a valid tensor of that type, far-from-zero offsets and
+    negative scales (Q6_K) included."""
+    block, size = GGML_QUANT_SIZES[kind]
+    assert cols % block == 0, f"{kind.name} super-blocks are {block} inputs"
     rng = np.random.default_rng(seed)
-    n = rows * cols // 256
-    raw = rng.integers(0, 256, (n, 144), dtype=np.uint8)  # d, dmin, 12 bytes of scales, q
-    for at in (0, 2):
+    n = rows * cols // block
+    raw = rng.integers(0, 256, (n, size), dtype=np.uint8)
+    for at in K_QUANT_HALVES[kind]:
         raw[:, at:at + 2] = (rng.random(n) * scale).astype(np.float16).view(np.uint8).reshape(n, 2)
-    w = quants.dequantize(raw.reshape(rows, -1), GGMLQuantizationType.Q4_K)
+    w = quants.dequantize(raw.reshape(rows, -1), kind)
     return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
+
+
+def gguf_q4_k(rows: int, cols: int, seed: int = 0, scale: float = 0.01) -> torch.Tensor:
+    return gguf_k_quant(rows, cols, GGMLQuantizationType.Q4_K, seed, scale)
+
+
+# A weight of each GGUF type, and the kind of blocks (weight_blocks.KINDS) it is read as.
+def gguf_of(name: str, rows: int, cols: int, seed: int = 0, scale: float = 0.01) -> torch.Tensor:
+    kind = GGMLQuantizationType[name]
+    if kind in K_QUANT_HALVES:
+        return gguf_k_quant(rows, -(-cols // 256) * 256, kind, seed, scale)
+    return gguf_weight(rows, cols, kind, seed)
+
+
+READ_AS = {"Q4_0": "q4", "Q4_1": "q4", "Q4_K": "q4", "Q5_0": "u8g32", "Q5_1": "u8g32",
+           "Q5_K": "u8g32", "Q6_K": "u8g16", "Q8_0": "q8"}
+
+
+def first_found(w: torch.Tensor) -> Blocks | None:
+    """The blocks the engine reads `w` as: the first kind, in KINDS' order, that fits."""
+    return next((b for kind in KINDS if (b := find(w, kind)) is not None), None)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -64,64 +93,65 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("shape", [(1, 32), (96, 576), (7, 1536)])
-def test_blocks_give_back_every_weight_bit_for_bit(shape: tuple[int, int]) -> None:
+def test_q4_1_blocks_give_back_every_weight_bit_for_bit(shape: tuple[int, int]) -> None:
     w = gguf_q4_1(*shape)
-    found = q4_1_blocks(w)
-    assert found is not None
+    found = find(w, "q4")
+    assert found is not None and found.m is not None
     assert found.q.dtype == torch.uint8 and int(found.q.max()) <= 15
-    assert found.d.shape == found.m.shape == (shape[0], shape[1] // BLOCK)
+    assert found.d.shape == found.m.shape == (shape[0], shape[1] // 32)
     assert torch.equal(bits(found.dequantize()), bits(w))
     assert torch.equal(found.d.half().float(), found.d)  # float16 scales: d q exact
 
 
 @pytest.mark.parametrize("scale", [0.01, 1.0, 1e-4])
-def test_q4_k_and_q4_0_weights_are_found_as_4_bit_blocks(scale: float) -> None:
-    """Q4_K's sub-blocks (d = float16 d' x a 6-bit scale, m = -(float16 dmin x a 6-bit min):
-    no float16 scales, and not always a weight on level 0) and Q4_0's (w = d (q - 8), d of
-    either sign: zeros of either sign) are 4-bit blocks too."""
-    for w in (gguf_q4_k(64, 512, scale=scale), gguf_q4_0(64, 512, seed=int(1 / scale))):
-        found = q4_1_blocks(w)
-        assert found is not None
-        assert int(found.q.max()) <= 15
-        assert torch.equal(found.dequantize(), w)  # the values; a zero's sign aside
+@pytest.mark.parametrize("name", list(READ_AS))
+def test_every_gguf_type_is_found_as_its_blocks(name: str, scale: float) -> None:
+    """Each type as the kind it is read as, and none of fewer bytes a weight first: Q4_K's
+    sub-blocks (d = float16 x 6-bit scale, m = -(float16 x 6-bit min): no float16 scales, not
+    always a weight on level 0), Q4_0's and Q5_0's (d (q - 8), d (q - 16), d of either sign:
+    zeros of either sign), Q6_K's (16-input groups, int8 scales of either sign)."""
+    w = gguf_of(name, 64, 512, seed=int(1 / scale), scale=scale)
+    found = first_found(w)
+    assert found is not None and found.kind == READ_AS[name]
+    assert torch.equal(found.dequantize(), w)  # the values; a zero's sign aside
+    levels = {"q4": (0, 15), "u8g32": (0, 31), "u8g16": (0, 63), "q8": (-128, 127)}[found.kind]
+    assert levels[0] <= int(found.q.min()) and int(found.q.max()) <= levels[1]
 
 
 def test_weights_that_are_not_blocks_are_refused() -> None:
-    assert q4_1_blocks(torch.randn(8, 64)) is None  # a float32 checkpoint
-    assert q4_1_blocks(torch.randn(8, 64).bfloat16().float()) is None  # a bfloat16 one
+    for kind in KINDS:
+        assert find(torch.randn(8, 64), kind) is None  # a float32 checkpoint
+        assert find(torch.randn(8, 64).bfloat16().float(), kind) is None  # a bfloat16 one
+        assert find(torch.empty(0, 64), kind) is None
     w = gguf_q4_1(8, 64)
-    assert q4_1_blocks(w[:, :48].contiguous()) is None  # inputs not in whole blocks
-    assert q4_1_blocks(w.double()) is None
-    assert q4_1_blocks(torch.empty(0, 64)) is None
+    assert find(w[:, :48].contiguous(), "q4") is None  # inputs not in whole blocks
+    assert find(w.double(), "q4") is None
     one_off = w.clone()
     one_off[3, 40] = torch.nextafter(one_off[3, 40], torch.tensor(1.0))  # one ulp
-    assert q4_1_blocks(one_off) is None
+    assert find(one_off, "q4") is None
+    with pytest.raises(ValueError, match="unknown kind"):
+        find(w, "q3")
 
 
 @pytest.mark.parametrize("shape", [(1, 32), (96, 576), (7, 1536)])
 def test_q8_0_blocks_give_back_every_weight_bit_for_bit(shape: tuple[int, int]) -> None:
     w = gguf_q8_0(*shape)
-    found = q8_0_blocks(w)
-    assert found is not None and found.q.dtype == torch.int8
+    found = find(w, "q8")
+    assert found is not None and found.q.dtype == torch.int8 and found.m is None
     assert torch.equal(bits(found.dequantize()), bits(w))
     assert torch.equal(found.d.half().float(), found.d)
 
 
 def test_weights_that_are_not_q8_0_blocks_are_refused() -> None:
-    assert q8_0_blocks(torch.randn(8, 64)) is None
-    assert q8_0_blocks(gguf_q8_0(8, 64)[:, :40].contiguous()) is None
-    assert q8_0_blocks(torch.empty(0, 64)) is None
+    assert find(gguf_q8_0(8, 64)[:, :40].contiguous(), "q8") is None
     one_off = gguf_q8_0(8, 64)
     one_off[2, 7] = torch.nextafter(one_off[2, 7], torch.tensor(1.0))
-    assert q8_0_blocks(one_off) is None
-
-
-def q4_k_weight(w: torch.Tensor, seed: int) -> torch.Tensor:
-    return gguf_q4_k(w.shape[0], w.shape[1], seed=seed, scale=0.0005)
+    assert find(one_off, "q8") is None
 
 
 NARROWER = {  # a checkpoint's weights as the engine build gets them, by what they are stored as
-    "q4_k": q4_k_weight,  # a Q4_K GGUF, dequantized by transformers
+    "q4_k": lambda w, seed: gguf_q4_k(w.shape[0], w.shape[1], seed=seed, scale=0.0005),
+    "q6_k": lambda w, seed: gguf_of("Q6_K", w.shape[0], w.shape[1], seed=seed, scale=0.0005),
     "bfloat16": lambda w, _seed: w.bfloat16().float(),  # most Hugging Face checkpoints
     "float16": lambda w, _seed: w.half().float(),
 }
@@ -160,14 +190,15 @@ def test_an_engine_reads_weights_in_their_narrower_form_and_matches_hf(
 def test_narrower_forms_stop_at_a_quarter_of_the_memory_available() -> None:
     found: list[int] = []
 
-    def find(w: torch.Tensor) -> torch.Tensor:
+    def find_form(w: torch.Tensor) -> kernels.Narrow:
         found.append(w.numel())
-        return torch.empty(w.numel(), dtype=torch.bfloat16)  # 2 bytes a weight
+        return kernels.Narrow(torch.empty(w.numel(), dtype=torch.bfloat16), "bf16")  # 2 B each
 
     budget = NarrowerBudget(4 * 2000)  # 2000 bytes for narrower forms
     weights = [torch.zeros(300) for _ in range(5)]  # 600 bytes each
-    kept = [budget.blocks(find, w) for w in weights]
+    kept = [budget.blocks(find_form, w) for w in weights]
     assert [k is not None for k in kept] == [True, True, True, True, False]  # 2400 > 2000
     assert found == [300] * 4 and budget.refused == 1  # past it, none is even searched
     unknown = NarrowerBudget(None)  # no /proc/meminfo: no limit
-    assert all(unknown.blocks(find, w) is not None for w in weights) and not unknown.refused
+    assert all(unknown.blocks(find_form, w) is not None for w in weights)
+    assert not unknown.refused

@@ -163,8 +163,8 @@ def test_one_thread_engines_compute_projections_natively_and_match_hf(
 
 
 def fake_op(x: torch.Tensor, packed: torch.Tensor, out_features: int,
-            blocks: torch.Tensor | None) -> torch.Tensor:
-    assert x.dim() == 2 and blocks is None
+            blocks: torch.Tensor | None, kind: str) -> torch.Tensor:
+    assert x.dim() == 2 and blocks is None and kind == ""
     return F.linear(x, packed)[:, :out_features]
 
 

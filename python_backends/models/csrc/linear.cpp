@@ -104,6 +104,7 @@ constexpr int64_t kBlockRows = MR;
 // its low half and feature VL + i's in its high half, then d and m [K / kBlock][NR] float32; w =
 // d q + m. A fifth of the float32 panel's bytes.
 struct Q41 {
+  static constexpr int64_t kGroup = kBlock;  // inputs per d (and m)
   static constexpr int64_t kStride = VL;  // q bytes per input
   int64_t K;
   int64_t scales_at() const { return K * kStride; }
@@ -143,6 +144,7 @@ struct Q41 {
 // Q8_0 (int8 tensors): q [K][NR] int8, then d [K / kBlock][NR] float32; w = d q. Under a third
 // of the float32 panel's bytes.
 struct Q80 {
+  static constexpr int64_t kGroup = kBlock;
   static constexpr int64_t kStride = NR;
   int64_t K;
   int64_t scales_at() const { return K * kStride; }
@@ -174,12 +176,50 @@ struct Q80 {
   }
 };
 
+// Byte levels with an offset, one d and m per G inputs (uint8 q [K][NR], then d and m
+// [K / G][NR] float32; w = fma(q, d, m)): the 5-bit GGUF types (Q5_0, Q5_1, Q5_K: G = 32, q in
+// [0, 31]) and Q6_K (G = 16, q + 32 in [0, 63], m = -32 d: the one rounding of the FMA is
+// gguf's of d q). 1.25 (G = 32) or 1.5 (G = 16) bytes a weight.
+template <int64_t G>
+struct U8M {
+  static constexpr int64_t kGroup = G;
+  static constexpr int64_t kStride = NR;
+  int64_t K;
+  int64_t scales_at() const { return K * kStride; }
+  int64_t bytes() const { return scales_at() + 2 * (K / G) * NR * 4; }
+  float* scales(uint8_t* p) const { return reinterpret_cast<float*>(p + scales_at()); }
+  float* mins(uint8_t* p) const { return scales(p) + K / G * NR; }
+  struct Scales {
+    vec d0, d1, m0, m1;
+  };
+  Scales block(const uint8_t* panel, int64_t b) const {
+    const float* d = reinterpret_cast<const float*>(panel + scales_at()) + b * NR;
+    const float* m = d + K / G * NR;
+    return {load(d), load(d + VL), load(m), load(m + VL)};
+  }
+  void at(const uint8_t* panel, int64_t k, const Scales& s, vec& w0, vec& w1) const {
+    const auto* q = reinterpret_cast<const __m128i*>(panel + k * kStride);
+#if defined(__AVX512F__)
+    w0 = (vec)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(q)));
+    w1 = (vec)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(q + 1)));
+#else
+    w0 = (vec)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(q)));
+    w1 = (vec)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
+        reinterpret_cast<const __m128i*>(panel + k * kStride + VL))));
+#endif
+    w0 = w0 * s.d0 + s.m0;
+    w1 = w1 * s.d1 + s.m1;
+  }
+  void put(uint8_t* panel, int64_t k, int64_t j, uint8_t q) const { panel[k * kStride + j] = q; }
+};
+
 // Weights that are 16-bit floats exactly (uint16 per weight, bfloat16 or float16 bits): a
 // float32 engine of a checkpoint stored in bfloat16 or float16 holds such values, widened
 // exactly. [K][NR] 16-bit values, no scales; half the float32 panel's bytes. Widening a bfloat16
 // is a shift, a float16 one vcvtph2ps: exact either way.
 template <bool kBf16>
 struct Halves {
+  static constexpr int64_t kGroup = kBlock;  // no scales: any multiple of the vector loop
   static constexpr int64_t kStride = NR * 2;
   int64_t K;
   int64_t bytes() const { return K * kStride; }
@@ -233,9 +273,9 @@ inline void block_tile(const float* x, int64_t K, const uint8_t* panel, float* d
   const F format{K};
   vec acc[R][2];
   for (int64_t r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vec{};
-  for (int64_t b = 0; b < K / kBlock; ++b) {
+  for (int64_t b = 0; b < K / F::kGroup; ++b) {
     const typename F::Scales s = format.block(panel, b);
-    for (int64_t k = b * kBlock; k < (b + 1) * kBlock; ++k) {
+    for (int64_t k = b * F::kGroup; k < (b + 1) * F::kGroup; ++k) {
       __builtin_prefetch(panel + (k + 8 * kAhead) * F::kStride);
       vec w0, w1;
       format.at(panel, k, s, w0, w1);
@@ -403,7 +443,7 @@ bool gives_back(const F& format, const uint8_t* panel, const float* wp, int64_t 
   const int64_t K = format.K;
   for (int64_t k = 0; k < K; ++k) {
     vec w[2];
-    format.at(panel, k, format.block(panel, k / kBlock), w[0], w[1]);
+    format.at(panel, k, format.block(panel, k / F::kGroup), w[0], w[1]);
     float got[NR], want[NR];
     std::memcpy(got, w, sizeof(got));
     for (int64_t j = 0; j < NR; ++j) want[j] = p * NR + j < N ? wp[(p * NR + j) * K + k] : 0.f;
@@ -417,10 +457,11 @@ bool gives_back(const F& format, const uint8_t* panel, const float* wp, int64_t 
 // bit for bit (then calls read the float32 panels alone).
 template <class F>
 at::Tensor pack_format(const at::Tensor& weight, const at::Tensor& q, const at::Tensor& d,
-                       const at::Tensor* m, at::ScalarType dtype) {
-  const int64_t N = weight.size(0), K = weight.size(1), P = (N + NR - 1) / NR, B = K / kBlock;
+                       const at::Tensor* m) {
+  const int64_t N = weight.size(0), K = weight.size(1), P = (N + NR - 1) / NR;
+  const int64_t B = K / F::kGroup;
   const F format{K};
-  at::Tensor out = at::zeros({P, format.bytes()}, at::TensorOptions().dtype(dtype));
+  at::Tensor out = at::zeros({P, format.bytes()}, at::kByte);
   const float *wp = weight.const_data_ptr<float>(), *dp = d.const_data_ptr<float>();
   const float* mp = m != nullptr ? m->const_data_ptr<float>() : nullptr;
   const auto* qp = reinterpret_cast<const uint8_t*>(q.const_data_ptr());
@@ -477,27 +518,63 @@ at::Tensor pack_halves(const at::Tensor& weight_in) {
   return out;
 }
 
-// Q4_1 from q uint8 with m, a uint8 tensor; Q8_0 from q int8 without m, an int8 tensor.
+// The layouts a few-row call may read, by name (models/kernels.py, NativeLinear.blocks): "q4"
+// (Q41), "q8" (Q80), "u8g32" and "u8g16" (U8M), "bf16" and "f16" (Halves; pack_halves).
+using BlockPanels = void (*)(const float*, int64_t, int64_t, const uint8_t*, int64_t, int64_t,
+                             int64_t, float*, int64_t);
+struct Layout {
+  BlockPanels run = nullptr;
+  int64_t bytes = 0;  // a panel's
+  int64_t group = 0;  // inputs per d (and m)
+  bool offset = false;  // has m
+};
+
+template <class F>
+Layout layout(int64_t K, bool offset) {
+  return {block_panels<F>, F{K}.bytes(), F::kGroup, offset};
+}
+
+Layout layout_of(const std::string& kind, int64_t K) {
+  if (kind == "q4") return layout<Q41>(K, true);
+  if (kind == "q8") return layout<Q80>(K, false);
+  if (kind == "u8g32") return layout<U8M<32>>(K, true);
+  if (kind == "u8g16") return layout<U8M<16>>(K, true);
+  if (kind == "bf16") return layout<BF16>(K, false);
+  if (kind == "f16") return layout<F16>(K, false);
+  TORCH_CHECK(false, "unknown block layout '", kind, "'");
+}
+
+// The blocks of `kind` ("q4", "q8", "u8g32", "u8g16"): q [N, K] uint8 (int8 for "q8"), d and, with
+// an offset, m float32 [N, K / group] (models/weight_blocks.py); an empty tensor where they do not
+// give back the weight.
 at::Tensor pack_blocks(const at::Tensor& weight_in, const at::Tensor& q_in, const at::Tensor& d_in,
-                       const std::optional<at::Tensor>& m_in) {
+                       const std::optional<at::Tensor>& m_in, const std::string& kind) {
+  TORCH_CHECK(kind == "q4" || kind == "q8" || kind == "u8g32" || kind == "u8g16",
+              "pack_blocks: kind q4, q8, u8g32 or u8g16, not '", kind, "'");
   TORCH_CHECK(weight_in.device().is_cpu() && weight_in.scalar_type() == at::kFloat &&
-                  weight_in.dim() == 2 && weight_in.size(1) % kBlock == 0,
-              "pack_blocks: a float32 CPU weight [N, K], K a multiple of ", kBlock);
+                  weight_in.dim() == 2,
+              "pack_blocks: a float32 CPU weight [N, K]");
   const int64_t N = weight_in.size(0), K = weight_in.size(1);
-  const bool q41 = q_in.scalar_type() == at::kByte && m_in.has_value();
-  TORCH_CHECK(q41 || (q_in.scalar_type() == at::kChar && !m_in.has_value()),
-              "pack_blocks: q uint8 with m (Q4_1) or q int8 without (Q8_0)");
-  TORCH_CHECK(q_in.sizes() == weight_in.sizes(), "pack_blocks: q [", N, ", ", K, "]");
+  const Layout l = layout_of(kind, K);
+  TORCH_CHECK(K % l.group == 0, "pack_blocks: K a multiple of ", l.group);
+  TORCH_CHECK(q_in.scalar_type() == (kind == "q8" ? at::kChar : at::kByte) &&
+                  q_in.sizes() == weight_in.sizes(),
+              "pack_blocks: q ", kind == "q8" ? "int8" : "uint8", " [", N, ", ", K, "]");
+  TORCH_CHECK(m_in.has_value() == l.offset, "pack_blocks: ", kind, l.offset ? " needs" : " has no",
+              " m");
   std::vector<const at::Tensor*> scales = {&d_in};
-  if (q41) scales.push_back(&*m_in);
+  if (l.offset) scales.push_back(&*m_in);
   for (const at::Tensor* t : scales)
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->size(0) == N &&
-                    t->size(1) == K / kBlock,
-                "pack_blocks: d and m float32 [", N, ", ", K / kBlock, "]");
+                    t->size(1) == K / l.group,
+                "pack_blocks: d and m float32 [", N, ", ", K / l.group, "]");
   const at::Tensor weight = weight_in.contiguous(), q = q_in.contiguous(), d = d_in.contiguous();
-  if (!q41) return pack_format<Q80>(weight, q, d, nullptr, at::kChar);
-  const at::Tensor m = m_in->contiguous();
-  return pack_format<Q41>(weight, q, d, &m, at::kByte);
+  const at::Tensor m = l.offset ? m_in->contiguous() : at::Tensor();
+  const at::Tensor* mp = l.offset ? &m : nullptr;
+  if (kind == "q4") return pack_format<Q41>(weight, q, d, mp);
+  if (kind == "q8") return pack_format<Q80>(weight, q, d, mp);
+  if (kind == "u8g32") return pack_format<U8M<32>>(weight, q, d, mp);
+  return pack_format<U8M<16>>(weight, q, d, mp);
 }
 
 using PanelsFn = std::function<void(int64_t, int64_t, int64_t, float*, int64_t)>;
@@ -536,7 +613,7 @@ void check_x(const char* op, const at::Tensor& x, const at::Tensor& packed) {
 }
 
 at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n,
-                  const std::optional<at::Tensor>& blocks) {
+                  const std::optional<at::Tensor>& blocks, const std::string& kind) {
   check_x("linear", x_in, packed);
   TORCH_CHECK(packed.scalar_type() == at::kFloat && packed.dim() == 3 && packed.is_contiguous(),
               "linear: a weight from pack_linear_weight");
@@ -559,22 +636,15 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n,
   double flops_per_s = 100e9;
   int64_t weight_bytes = sizeof(float);
   if (blocks.has_value() && blocks->numel() > 0 && T <= kBlockRows) {
-    const at::ScalarType kind = blocks->scalar_type();
-    using BlockPanels = void (*)(const float*, int64_t, int64_t, const uint8_t*, int64_t,
-                                 int64_t, int64_t, float*, int64_t);
-    BlockPanels run = nullptr;
-    int64_t bytes = 0;
-    if (kind == at::kByte) run = block_panels<Q41>, bytes = Q41{K}.bytes();
-    if (kind == at::kChar) run = block_panels<Q80>, bytes = Q80{K}.bytes();
-    if (kind == at::kBFloat16) run = block_panels<BF16>, bytes = BF16{K}.bytes();
-    if (kind == at::kHalf) run = block_panels<F16>, bytes = F16{K}.bytes();
-    TORCH_CHECK(run != nullptr && blocks->dim() == 2 && blocks->is_contiguous() &&
-                    blocks->size(0) == P && blocks->size(1) * blocks->element_size() == bytes,
-                "linear: blocks from pack_blocks or pack_halves for this weight");
+    const Layout l = layout_of(kind, K);
+    TORCH_CHECK(K % l.group == 0 && blocks->dim() == 2 && blocks->is_contiguous() &&
+                    blocks->size(0) == P && blocks->size(1) * blocks->element_size() == l.bytes,
+                "linear: blocks of layout ", kind, " from pack_blocks or pack_halves for this "
+                "weight");
     const auto* bp = reinterpret_cast<const uint8_t*>(blocks->const_data_ptr());
     keep.push_back(*blocks);
     weight_bytes = 2;  // a fifth to a half of the bytes, but widened: about half the time
-    compute = [=](int64_t, int64_t p0, int64_t p1, float* dst, int64_t ld) {
+    compute = [=, run = l.run](int64_t, int64_t p0, int64_t p1, float* dst, int64_t ld) {
       run(xp, T, K, bp, n, p0, p1, dst, ld);
     };
   }
@@ -925,10 +995,11 @@ TORCH_LIBRARY_FRAGMENT(llm_kernels, m) {
   m.def("linear_amx() -> bool", &linear_amx);
   m.def("screen_path() -> str", &screen_path);
   m.def("pack_linear_weight(Tensor weight) -> Tensor", &pack_linear_weight);
-  m.def("pack_blocks(Tensor weight, Tensor q, Tensor d, Tensor? m=None) -> Tensor", &pack_blocks);
+  m.def("pack_blocks(Tensor weight, Tensor q, Tensor d, Tensor? m, str kind) -> Tensor",
+        &pack_blocks);
   m.def("pack_halves(Tensor weight) -> Tensor", &pack_halves);
-  m.def("linear(Tensor x, Tensor packed, int out_features, Tensor? blocks=None) -> Tensor",
-        &linear);
+  m.def("linear(Tensor x, Tensor packed, int out_features, Tensor? blocks=None, str kind=\"\") "
+        "-> Tensor", &linear);
   m.def("pack_screen_weight(Tensor weight) -> Tensor", &pack_screen_weight);
   m.def("screen_linear(Tensor x, Tensor packed, int out_features) -> Tensor", &screen_linear);
 #ifdef __AVX512VNNI__
