@@ -100,26 +100,43 @@ constexpr int64_t kBlock = 32;
 // more rows compute enough per weight that the float32 panels are as fast or faster.
 constexpr int64_t kBlockRows = MR;
 
-// Q4_1, any 4-bit block (uint8 tensors): q [K][VL] bytes, byte i of input k holding feature i's q in [0, 15] in
-// its low half and feature VL + i's in its high half, then d and m [K / kBlock][NR] float32; w =
-// d q + m. A fifth of the float32 panel's bytes.
-struct Q41 {
-  static constexpr int64_t kGroup = kBlock;  // inputs per d (and m)
-  static constexpr int64_t kStride = VL;  // q bytes per input
+// The VL bytes at p (int8 if kSigned, else uint8) as floats.
+template <bool kSigned>
+inline vec widen_bytes(const uint8_t* p) {
+#if defined(__AVX512F__)
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return (vec)_mm512_cvtepi32_ps(kSigned ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
+#else
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return (vec)_mm256_cvtepi32_ps(kSigned ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
+#endif
+}
+
+// A layout of q bytes (kStride a input) followed by d and m [K / G][NR] float32: each group's
+// d and m for the panel's NR features, loaded once for its G inputs.
+template <int64_t G, int64_t Stride>
+struct WithOffsets {
+  static constexpr int64_t kGroup = G;  // inputs per d and m
+  static constexpr int64_t kStride = Stride;  // q bytes per input
   int64_t K;
   int64_t scales_at() const { return K * kStride; }
-  int64_t bytes() const { return scales_at() + 2 * (K / kBlock) * NR * 4; }
+  int64_t bytes() const { return scales_at() + 2 * (K / G) * NR * 4; }
   float* scales(uint8_t* p) const { return reinterpret_cast<float*>(p + scales_at()); }
-  float* mins(uint8_t* p) const { return scales(p) + K / kBlock * NR; }
-  // Block b's d and m for the NR features, loaded once for its kBlock inputs.
+  float* mins(uint8_t* p) const { return scales(p) + K / G * NR; }
   struct Scales {
     vec d0, d1, m0, m1;
   };
   Scales block(const uint8_t* panel, int64_t b) const {
     const float* d = reinterpret_cast<const float*>(panel + scales_at()) + b * NR;
-    const float* m = d + K / kBlock * NR;
+    const float* m = d + K / G * NR;
     return {load(d), load(d + VL), load(m), load(m + VL)};
   }
+};
+
+// Q4_1, any 4-bit block: q [K][VL] bytes, byte i of input k holding feature i's q in [0, 15] in
+// its low half and feature VL + i's in its high half, then d and m; w = d q + m. A fifth of the
+// float32 panel's bytes.
+struct Q41 : WithOffsets<kBlock, VL> {
   // The NR weights of input k, of block s.
   void at(const uint8_t* panel, int64_t k, const Scales& s, vec& w0, vec& w1) const {
     const auto* q = reinterpret_cast<const __m128i*>(panel + k * kStride);
@@ -159,17 +176,8 @@ struct Q80 {
     return {load(d), load(d + VL)};
   }
   void at(const uint8_t* panel, int64_t k, const Scales& s, vec& w0, vec& w1) const {
-    const auto* q = reinterpret_cast<const __m128i*>(panel + k * kStride);
-#if defined(__AVX512F__)
-    w0 = (vec)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q)));
-    w1 = (vec)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1)));
-#else
-    w0 = (vec)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(q)));
-    w1 = (vec)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
-        reinterpret_cast<const __m128i*>(panel + k * kStride + VL))));
-#endif
-    w0 = w0 * s.d0;
-    w1 = w1 * s.d1;
+    w0 = widen_bytes<true>(panel + k * kStride) * s.d0;
+    w1 = widen_bytes<true>(panel + k * kStride + VL) * s.d1;
   }
   void put(uint8_t* panel, int64_t k, int64_t j, uint8_t q) const {  // q: an int8's bits
     panel[k * kStride + j] = q;
@@ -181,37 +189,35 @@ struct Q80 {
 // [0, 31]) and Q6_K (G = 16, q + 32 in [0, 63], m = -32 d: the one rounding of the FMA is
 // gguf's of d q). 1.25 (G = 32) or 1.5 (G = 16) bytes a weight.
 template <int64_t G>
-struct U8M {
-  static constexpr int64_t kGroup = G;
-  static constexpr int64_t kStride = NR;
-  int64_t K;
-  int64_t scales_at() const { return K * kStride; }
-  int64_t bytes() const { return scales_at() + 2 * (K / G) * NR * 4; }
-  float* scales(uint8_t* p) const { return reinterpret_cast<float*>(p + scales_at()); }
-  float* mins(uint8_t* p) const { return scales(p) + K / G * NR; }
-  struct Scales {
-    vec d0, d1, m0, m1;
-  };
-  Scales block(const uint8_t* panel, int64_t b) const {
-    const float* d = reinterpret_cast<const float*>(panel + scales_at()) + b * NR;
-    const float* m = d + K / G * NR;
-    return {load(d), load(d + VL), load(m), load(m + VL)};
-  }
+struct U8M : WithOffsets<G, NR> {
+  using typename WithOffsets<G, NR>::Scales;
+  using WithOffsets<G, NR>::kStride;
   void at(const uint8_t* panel, int64_t k, const Scales& s, vec& w0, vec& w1) const {
-    const auto* q = reinterpret_cast<const __m128i*>(panel + k * kStride);
-#if defined(__AVX512F__)
-    w0 = (vec)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(q)));
-    w1 = (vec)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(q + 1)));
-#else
-    w0 = (vec)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(q)));
-    w1 = (vec)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
-        reinterpret_cast<const __m128i*>(panel + k * kStride + VL))));
-#endif
-    w0 = w0 * s.d0 + s.m0;
-    w1 = w1 * s.d1 + s.m1;
+    w0 = widen_bytes<false>(panel + k * kStride) * s.d0 + s.m0;
+    w1 = widen_bytes<false>(panel + k * kStride + VL) * s.d1 + s.m1;
   }
   void put(uint8_t* panel, int64_t k, int64_t j, uint8_t q) const { panel[k * kStride + j] = q; }
 };
+
+// The VL 16-bit values at p as floats: bfloat16 (a shift) or float16 (vcvtph2ps), exact.
+template <bool kBf16>
+inline vec widen_halves(const uint8_t* p) {
+#if defined(__AVX512F__)
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  if constexpr (kBf16) {
+    return (vec)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  } else {
+    return (vec)_mm512_cvtph_ps(h);
+  }
+#else
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  if constexpr (kBf16) {
+    return (vec)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  } else {
+    return (vec)_mm256_cvtph_ps(h);
+  }
+#endif
+}
 
 // Weights that are 16-bit floats exactly (uint16 per weight, bfloat16 or float16 bits): a
 // float32 engine of a checkpoint stored in bfloat16 or float16 holds such values, widened
@@ -226,28 +232,8 @@ struct Halves {
   struct Scales {};
   Scales block(const uint8_t*, int64_t) const { return {}; }
   void at(const uint8_t* panel, int64_t k, const Scales&, vec& w0, vec& w1) const {
-    const uint8_t* p = panel + k * kStride;
-#if defined(__AVX512F__)
-    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32));
-    if constexpr (kBf16) {
-      w0 = (vec)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(a), 16));
-      w1 = (vec)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
-    } else {
-      w0 = (vec)_mm512_cvtph_ps(a);
-      w1 = (vec)_mm512_cvtph_ps(b);
-    }
-#else
-    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16));
-    if constexpr (kBf16) {
-      w0 = (vec)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(a), 16));
-      w1 = (vec)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
-    } else {
-      w0 = (vec)_mm256_cvtph_ps(a);
-      w1 = (vec)_mm256_cvtph_ps(b);
-    }
-#endif
+    w0 = widen_halves<kBf16>(panel + k * kStride);
+    w1 = widen_halves<kBf16>(panel + k * kStride + 2 * VL);
   }
   // The 16-bit value of `w`, if it is one exactly.
   static std::optional<uint16_t> narrow(float w) {
