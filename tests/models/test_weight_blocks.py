@@ -8,8 +8,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+from gguf import (
+    GGML_QUANT_SIZES,
+    GGMLQuantizationType,
+    GGUFReader,
+    GGUFValueType,
+    GGUFWriter,
+    quants,
+)
 
+from python_backends.config import EngineLimits
+from python_backends.engine.builder import default_source, load_hf, write_engine
 from python_backends.engine.llm_engine import LLMEngine
 from python_backends.models import kernels
 from python_backends.models.decoder import NarrowerBudget
@@ -202,3 +211,52 @@ def test_narrower_forms_stop_at_a_quarter_of_the_memory_available() -> None:
     unknown = NarrowerBudget(None)  # no /proc/meminfo: no limit
     assert all(unknown.blocks(find_form, w) is not None for w in weights)
     assert not unknown.refused
+
+
+def requantized(src: Path, dst: Path, kind: GGMLQuantizationType) -> Path:
+    """`src` (a GGUF file) with its Q4_1 tensors quantized anew as `kind` by the gguf package,
+    every other tensor and all metadata as they were: a model file as a user may bring."""
+    reader = GGUFReader(str(src))
+    writer = GGUFWriter(str(dst), arch=reader.fields["general.architecture"].contents())
+    for field in reader.fields.values():
+        if field.name == "general.architecture" or field.name.startswith("GGUF."):
+            continue  # the writer's own
+        value_type = field.types[0]
+        writer.add_key_value(field.name, field.contents(), value_type,
+                             sub_type=field.types[-1] if value_type == GGUFValueType.ARRAY
+                             else None)
+    for t in reader.tensors:
+        data, qtype = t.data, t.tensor_type
+        if qtype == GGMLQuantizationType.Q4_1:
+            data, qtype = quants.quantize(quants.dequantize(data, qtype), kind), kind
+        writer.add_tensor(t.name, data, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
+def test_an_engine_of_a_q5_1_gguf_reads_its_blocks_and_matches_hf(tmp_path: Path) -> None:
+    """The shipped model quantized anew to Q5_1, through the engine build as a user's GGUF goes
+    (transformers dequantizes it): every projection reads 5-bit blocks, and greedy output is
+    Hugging Face's on the same file."""
+    gguf = requantized(default_source(), tmp_path / "model.Q5_1.gguf", GGMLQuantizationType.Q5_1)
+    hf, tokenizer = load_hf(gguf)
+    write_engine(hf, tokenizer, tmp_path / "engine", EngineLimits(max_seq_len=256), "float32",
+                 str(gguf), log=lambda _m: None)
+    threads = torch.get_num_threads()
+    try:
+        engine = LLMEngine.from_engine_dir(tmp_path / "engine", num_kv_blocks=64, cpu_threads=1)
+    finally:
+        torch.set_num_threads(threads)
+    layers = [m for m in engine.runner.model.model.layers.modules() if isinstance(m, Linear)]
+    assert layers and {m.native_kind for m in layers} == {"u8g32"}
+    for text in ("The capital of France is", "def fibonacci(n):"):
+        ids = tokenizer(text)["input_ids"]
+        seq = engine.add_request(text, ids, SamplingParams(max_tokens=12))
+        while engine.has_unfinished:
+            engine.step()
+        want = hf.generate(torch.tensor([ids]), max_new_tokens=12, min_new_tokens=12,
+                           do_sample=False)[0, len(ids):].tolist()
+        assert seq.output_ids == want, text
