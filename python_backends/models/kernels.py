@@ -204,7 +204,8 @@ class NativeLinear:
             found = weight_blocks.find(weight, kind)
             if found is not None:
                 packed = ops.pack_blocks(weight, found.q, found.d, found.m, kind)
-                return Narrow(packed, kind) if packed.numel() else None
+                if packed.numel():  # else the kernel's own check refused them: next kind
+                    return Narrow(packed, kind)
         halves = ops.pack_halves(weight.detach().cpu())
         if not halves.numel():
             return None

@@ -51,9 +51,10 @@ class Blocks:
         n, k = self.q.shape
         g = GROUP[self.kind]
         q = self.q.view(n, k // g, g).double()
-        w = q * self.d.double()[..., None]  # exact: d q has at most 25 significant bits
-        if self.m is not None:
-            w = w + self.m.double()[..., None]  # exact too: then one rounding, as an FMA
+        w = q * self.d.double()[..., None]  # exact: d q has at most 32 significant bits
+        if self.m is not None:  # exact in a double for a GGUF group's d q and m
+            w = w + self.m.double()[..., None]
+        # then one rounding, as the kernel's FMA
         return w.float().view(n, k)
 
 

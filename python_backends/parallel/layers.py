@@ -20,7 +20,7 @@ from torch import nn
 
 from python_backends.parallel.context import ParallelContext
 
-# (x [T, in], packed, out, blocks) -> [T, out]
+# (x [T, in], packed, out, blocks, the blocks' layout) -> [T, out]
 NativeOp = Callable[[torch.Tensor, Any, int, torch.Tensor | None, str], torch.Tensor]
 
 

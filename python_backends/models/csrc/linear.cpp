@@ -5,8 +5,8 @@
 // tokens of the batch. The arithmetic is plain float32 FMA with one accumulator per output, k
 // ascending; results differ from MKL's only in rounding. From kAmxRows tokens on, on CPUs with
 // AMX, the same products run on AMX tiles (amx.h) to the same precision. A weight that is exact
-// GGUF blocks (4-bit: Q4_1, Q4_0, Q4_K; Q8_0: models/weight_blocks.py) is packed as such too, and
-// calls of few rows, bound by reading the weight, read those instead: the same float32 values.
+// GGUF blocks (models/weight_blocks.py) or 16-bit floats is packed as such too, and calls of few
+// rows, bound by reading the weight, read those instead: the same float32 values.
 //
 // The screens and screen_candidates serve greedy rows' LM head (models/greedy_head.py): an
 // estimate of every logit from rounded operands, and the tokens whose bounds reach the largest.
@@ -89,12 +89,13 @@ inline void tile(const float* x, int64_t K, const float* panel, float* dst, int6
   store_tile<R>(acc, dst, ld, cols);
 }
 
-// Weights that are GGUF blocks (models/weight_blocks.py): every kBlock inputs of a feature share
+// Weights that are GGUF blocks (models/weight_blocks.py): every group of inputs of a feature share
 // a scale d (and offset m), and each weight is exactly d q (+ m) for a small integer q. Packed per
 // panel (pack_blocks), a few-row call reads them instead of the float32 panel and computes on the
-// same float32 weights: d q is exact in float32 (4-bit q times a d of at most 17 significant
-// bits, 8-bit q times a float16 d), so one FMA gives gguf's fl(fl(d q) + m), and pack_blocks
-// checks every weight with the kernel's own arithmetic all the same.
+// same float32 weights: d q is exact in float32 (a 4- or 5-bit q times a d of at most 17
+// significant bits, an 8-bit q times a float16 d), so one FMA gives gguf's fl(fl(d q) + m) (in
+// Q6_K d q is not exact, and the FMA's one rounding is gguf's of d q), and pack_blocks checks
+// every weight with the kernel's own arithmetic all the same.
 constexpr int64_t kBlock = 32;
 // Calls of at most this many rows read the blocks (one row tile: each weight dequantized once);
 // more rows compute enough per weight that the float32 panels are as fast or faster.
