@@ -220,11 +220,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> find_blocks(const at::Tensor& wei
         }
       }
     }
-    if (!found && !kind.q8) {
-      float unused = 0.f;
-      float& mb = mp != nullptr ? mp[b] : unused;
-      found = kind.symmetric ? fit_symmetric(w, kind, dp[b], mb, qb)
-                             : fit_offset(w, kind, dp[b], mb, qb);
+    if (!found && !kind.q8) {  // every kind but q8 has m
+      found = kind.symmetric ? fit_symmetric(w, kind, dp[b], mp[b], qb)
+                             : fit_offset(w, kind, dp[b], mp[b], qb);
     }
     if (!found) return none;
   }
