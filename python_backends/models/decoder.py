@@ -218,9 +218,48 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if ctx.is_last_stage else None
         self.embedding_multiplier = cfg.embedding_multiplier
         self.rotary_emb, self.local_rotary_emb = rotary_embeddings(cfg)
+        self._stack_attentions: list[Attention] = []  # whose caches native_stack reads
 
     def reset_rotary(self, cfg: ModelConfig) -> None:
         self.rotary_emb, self.local_rotary_emb = rotary_embeddings(cfg)
+
+    # Every layer of a step in one native call (kernels.DecoderStack), where `build_native_stack`
+    # found the layers its kind: the same kernels in the same order as the layers' own forward.
+    native_stack: kernels.DecoderStack | None = None
+
+    def build_native_stack(self) -> bool:
+        """Run steps through kernels.DecoderStack from now on, where every layer is the kind it
+        computes (Llama's: pre-norm attention over the whole head's rotation without biases,
+        q/k norms or a softcap, and a SwiGLU MLP), the projections compute with the native
+        kernel, and the model is one rank; False, and nothing changed, elsewhere."""
+        if not kernels.stack_enabled() or self.ctx.layout.world_size != 1 or not self.layers:
+            return False
+        if self.local_rotary_emb is not None or self.rotary_emb.cos.dtype != torch.float32:
+            return False
+        layers: list[kernels.StackLayer] = []
+        attentions: list[Attention] = []
+        for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)
+            attn, mlp = layer.self_attn, layer.mlp
+            if (type(attn) is not Attention or type(mlp) is not MLP or not mlp.silu
+                    or attn.q_norm is not None or attn.softcap
+                    or self.rotary_emb.cos.shape[-1] != attn.head_dim
+                    or layer.pre_feedforward_layernorm is not None):
+                return False
+            projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if any(p.native_op is None or p.bias is not None for p in projections):
+                return False
+            layers.append(kernels.StackLayer(layer.input_layernorm.weight,
+                                             layer.post_attention_layernorm.weight,
+                                             projections))
+            attentions.append(attn)
+            eps, intermediate = layer.input_layernorm.eps, mlp.down_proj.in_features
+        attn = attentions[0]
+        self.native_stack = kernels.DecoderStack.build(
+            layers, heads=attn.num_heads, kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
+            intermediate=intermediate, eps=eps, scale=attn.scale)
+        self._stack_attentions = attentions
+        return self.native_stack is not None
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """x: token ids [T] on the first stage, else the previous stage's hidden states [T, E]."""
@@ -229,11 +268,15 @@ class DecoderModel(nn.Module):
             if self.embedding_multiplier != 1.0:
                 x = x * torch.tensor(self.embedding_multiplier, dtype=x.dtype)
         rotary = self.rotary_emb(meta.positions, x.dtype)
-        local = (self.local_rotary_emb(meta.positions, x.dtype)
-                 if self.local_rotary_emb is not None else rotary)
-        delta = None
-        for layer, windowed in zip(self.layers, self.windowed, strict=True):
-            x, delta = layer(x, delta, local if windowed else rotary, meta)
+        delta: torch.Tensor | None = None
+        if self.native_stack is not None and meta.windowed is None:
+            caches = [attn.kv_cache for attn in self._stack_attentions]
+            x, delta = self.native_stack(x, rotary, caches, meta)
+        else:
+            local = (self.local_rotary_emb(meta.positions, x.dtype)
+                     if self.local_rotary_emb is not None else rotary)
+            for layer, windowed in zip(self.layers, self.windowed, strict=True):
+                x, delta = layer(x, delta, local if windowed else rotary, meta)
         if self.norm is not None:
             return self.norm.add_norm(x, delta)[1]
         return x if delta is None else x + delta
@@ -330,9 +373,11 @@ class CausalLM(nn.Module):
             forms = Counter(_narrower_form(m) for m in linears)
             log.info("projections: native float32 kernel on the engine thread and an idle-CPU "
                      "helper, read in steps of few rows %s (kernels.NativeLinear.blocks); greedy "
-                     "rows' LM head %s", ", ".join(f"{n} {form}" for form, n in forms.items()),
+                     "rows' LM head %s; layers %s", ", ".join(f"{n} {form}" for form, n in
+                                                            forms.items()),
                      "screened (models.greedy_head)" if self.greedy_head is not None
-                     else "in full")
+                     else "in full", "in one native call a step (kernels.DecoderStack)"
+                     if self.model.build_native_stack() else "one by one")
             return len(linears)
         try_plain = float32 and keep_plain is not False
         packed = [m for m in linears if m.pack(keep_plain=try_plain)]

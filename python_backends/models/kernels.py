@@ -23,10 +23,10 @@ import platform
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 
 SWITCH_ENV = "LLM_NATIVE_KERNELS"  # "0", "off", "false" or "no": torch ops only
 BLOCKS_ENV = "LLM_WEIGHT_BLOCKS"  # "0": projections read float32 panels only (NativeLinear.blocks)
+STACK_ENV = "LLM_NATIVE_STACK"  # "0": a step runs its layers one by one from Python (DecoderStack)
 NAME = "llm_kernels"
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(sorted(CSRC.glob("*.cpp")))
@@ -239,6 +240,74 @@ def helper_off() -> Iterator[None]:
         yield
     finally:
         torch.ops.llm_kernels.set_idle_helper(before)
+
+
+def stack_enabled() -> bool:
+    return os.environ.get(STACK_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+class StackProjection(Protocol):
+    """What DecoderStack reads of a projection (parallel.layers.Linear after pack_native)."""
+
+    native: torch.Tensor | None
+    native_blocks: torch.Tensor | None
+    native_kind: str
+
+
+@dataclass(frozen=True)
+class StackLayer:
+    """One decoder layer as DecoderStack computes it: its two norms' weights and its q/k/v,
+    output, gate/up and down projections, packed for the native kernel."""
+
+    input_norm: torch.Tensor
+    post_attention_norm: torch.Tensor
+    projections: tuple[StackProjection, StackProjection, StackProjection, StackProjection]
+
+
+_EMPTY = torch.empty(0)
+
+
+class DecoderStack:
+    """Every layer of a step in one native call (csrc/decoder_stack.cpp): the kernels the
+    layers' own forward calls, in the same order, called from C++, so the same results without
+    a dozen Python calls and dispatches a layer (at one sequence a third of a decode step)."""
+
+    def __init__(self, stack: Any) -> None:
+        self._stack = stack
+
+    @classmethod
+    def build(cls, layers: Sequence[StackLayer], *, heads: int, kv_heads: int, head_dim: int,
+              intermediate: int, eps: float, scale: float) -> DecoderStack | None:
+        """The stack of `layers`, or None where the kernels did not load."""
+        if not layers or not load():
+            return None
+        weights: list[torch.Tensor] = []
+        kinds: list[str] = []
+        for layer in layers:
+            weights.append(layer.input_norm.detach())
+            for i, p in enumerate(layer.projections):
+                if p.native is None:
+                    raise ValueError("DecoderStack: a projection without its native packing")
+                weights += [p.native, p.native_blocks if p.native_blocks is not None else _EMPTY]
+                kinds.append(p.native_kind)
+                if i == 1:  # the post-attention norm sits between o and gate/up
+                    weights.append(layer.post_attention_norm.detach())
+        hidden = layers[0].input_norm.shape[0]
+        return cls(torch.classes.llm_kernels.DecoderStack(
+            weights, kinds, [heads, kv_heads, head_dim, hidden, intermediate], eps, scale))
+
+    def __call__(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
+                 caches: list[torch.Tensor], meta: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the residual stream, what the last layer adds to it) after every layer, for x
+        [T, E] over `caches` (one [2, S, K, D] a layer) by `meta` (models.attention's
+        AttentionMetadata, without a per-layer window)."""
+        d, spans = meta.decode, meta.prefills
+        return self._stack.forward(
+            x.contiguous(), _EMPTY, rotary[0], rotary[1], meta.slot_mapping, caches,
+            d.token_index if d is not None else _EMPTY, d.slots if d is not None else _EMPTY,
+            d.lens if d is not None else _EMPTY, [i for s in spans for i in (s.start, s.end)],
+            [s.context_slots for s in spans],
+            [s.mask if s.mask is not None else _EMPTY for s in spans])
 
 
 def main() -> int:

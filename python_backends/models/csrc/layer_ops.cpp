@@ -14,6 +14,7 @@
 #include <cstring>
 #include <tuple>
 
+#include "ops.h"
 #include "vec.h"
 
 namespace {
@@ -45,6 +46,10 @@ int64_t check_norm(const at::Tensor& x, const at::Tensor& w, const char* op) {
   return w.size(0);
 }
 
+}  // namespace
+
+namespace llm {
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   const int64_t E = check_norm(x, w, "rms_norm");
   at::Tensor y = at::empty_like(x);
@@ -72,6 +77,10 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   return {sum, y};
 }
 
+}  // namespace llm
+
+namespace {
+
 // Rotate-half rotary embedding of one head: out = x * cos + rotate_half(x) * sin.
 void rotate(const float* x, const float* cos, const float* sin, float* out, int64_t D) {
   const int64_t half = D / 2;
@@ -80,6 +89,10 @@ void rotate(const float* x, const float* cos, const float* sin, float* out, int6
     out[i + half] = x[i + half] * cos[i + half] + x[i] * sin[i + half];
   }
 }
+
+}  // namespace
+
+namespace llm {
 
 // qkv [T, (H + 2K) * D], the step's tables cos and sin [T, D] (any [T, 1, D] view): q and k
 // rotated, returned as q [T, H, D] and k [T, K, D]; k and v written to cache [2, S, K, D] at
@@ -121,12 +134,20 @@ std::tuple<at::Tensor, at::Tensor> rope_write_kv(const at::Tensor& qkv, const at
   return {q, k};
 }
 
+}  // namespace llm
+
+namespace {
+
 // SiLU(g) = g * sigmoid(g), with sigmoid from exp of -|g| (exp_nonpositive's range).
 inline vec silu(vec g) {
   const vec e = llm::exp_nonpositive(g < 0 ? g : -g);
   const vec one = vec{} + 1.f;
   return g * (g < 0 ? e : one) / (one + e);
 }
+
+}  // namespace
+
+namespace llm {
 
 // gate_up [T, 2I] -> SiLU(gate) * up [T, I].
 at::Tensor silu_mul(const at::Tensor& gate_up) {
@@ -147,13 +168,13 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
-}  // namespace
+}  // namespace llm
 
 TORCH_LIBRARY_FRAGMENT(llm_kernels, m) {
-  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &llm::rms_norm);
   m.def("add_rms_norm(Tensor x, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)",
-        &add_rms_norm);
+        &llm::add_rms_norm);
   m.def("rope_write_kv(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) cache, Tensor slots, "
-        "int num_heads, int num_kv_heads) -> (Tensor, Tensor)", &rope_write_kv);
-  m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
+        "int num_heads, int num_kv_heads) -> (Tensor, Tensor)", &llm::rope_write_kv);
+  m.def("silu_mul(Tensor gate_up) -> Tensor", &llm::silu_mul);
 }

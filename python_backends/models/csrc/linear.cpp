@@ -37,6 +37,7 @@
 
 #include "amx.h"
 #include "idle_helper.h"
+#include "ops.h"
 #include "vec.h"
 
 namespace {
@@ -599,6 +600,10 @@ void check_x(const char* op, const at::Tensor& x, const at::Tensor& packed) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, op, ": x float32 [T, K]");
 }
 
+}  // namespace
+
+namespace llm {
+
 at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n,
                   const std::optional<at::Tensor>& blocks, const std::string& kind) {
   check_x("linear", x_in, packed);
@@ -678,6 +683,10 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n,
              panels_per_chunk(block_rows, K, weight_bytes, flops_per_s), std::move(compute));
   return out;
 }
+
+}  // namespace llm
+
+namespace {
 
 #ifdef __AVX512VNNI__
 // The screen on vpdpbusd (AVX-512 VNNI: Intel from Cascade Lake, AMD Zen 4 and 5): each
@@ -986,7 +995,7 @@ TORCH_LIBRARY_FRAGMENT(llm_kernels, m) {
         &pack_blocks);
   m.def("pack_halves(Tensor weight) -> Tensor", &pack_halves);
   m.def("linear(Tensor x, Tensor packed, int out_features, Tensor? blocks=None, str kind=\"\") "
-        "-> Tensor", &linear);
+        "-> Tensor", &llm::linear);
   m.def("pack_screen_weight(Tensor weight) -> Tensor", &pack_screen_weight);
   m.def("screen_linear(Tensor x, Tensor packed, int out_features) -> Tensor", &screen_linear);
 #ifdef __AVX512VNNI__

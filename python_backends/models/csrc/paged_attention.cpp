@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "idle_helper.h"
+#include "ops.h"
 #include "vec.h"
 
 namespace {
@@ -264,6 +265,10 @@ void decode(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& slot
   llm::run(std::move(job));
 }
 
+}  // namespace
+
+namespace llm {
+
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& cache,
                                   const at::Tensor& slots, const at::Tensor& lens, double scale) {
   TORCH_CHECK(q.device().is_cpu() && cache.device().is_cpu(), "CPU tensors only");
@@ -289,10 +294,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& cache,
   return out;
 }
 
-}  // namespace
+}  // namespace llm
 
 TORCH_LIBRARY(llm_kernels, m) {
   m.def("paged_decode_attention(Tensor q, Tensor cache, Tensor slots, Tensor lens, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(llm_kernels, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
+TORCH_LIBRARY_IMPL(llm_kernels, CPU, m) { m.impl("paged_decode_attention", &llm::paged_decode_attention); }
