@@ -229,9 +229,10 @@ class DecoderModel(nn.Module):
 
     def build_native_stack(self) -> bool:
         """Run steps through kernels.DecoderStack from now on, where every layer is the kind it
-        computes (Llama's: pre-norm attention over the whole head's rotation without biases,
-        q/k norms or a softcap, and a SwiGLU MLP), the projections compute with the native
-        kernel, and the model is one rank; False, and nothing changed, elsewhere."""
+        computes (Llama's: pre-norm attention over the whole head's rotation without a softcap,
+        Qwen2's q/k/v bias and Qwen3's q/k norms included, and a SwiGLU MLP), the projections
+        compute with the native kernel, and the model is one rank; False, and nothing
+        changed, elsewhere."""
         if not kernels.stack_enabled() or self.ctx.layout.world_size != 1 or not self.layers:
             return False
         if self.local_rotary_emb is not None or self.rotary_emb.cos.dtype != torch.float32:
@@ -242,16 +243,19 @@ class DecoderModel(nn.Module):
             assert isinstance(layer, DecoderLayer)
             attn, mlp = layer.self_attn, layer.mlp
             if (type(attn) is not Attention or type(mlp) is not MLP or not mlp.silu
-                    or attn.q_norm is not None or attn.softcap
-                    or self.rotary_emb.cos.shape[-1] != attn.head_dim
+                    or attn.softcap or self.rotary_emb.cos.shape[-1] != attn.head_dim
+                    or (attn.q_norm is None) != (attn.k_norm is None)
                     or layer.pre_feedforward_layernorm is not None):
                 return False
             projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if any(p.native_op is None or p.bias is not None for p in projections):
+            if (any(p.native_op is None for p in projections)
+                    or any(p.bias is not None for p in projections[1:])):
                 return False
-            layers.append(kernels.StackLayer(layer.input_layernorm.weight,
-                                             layer.post_attention_layernorm.weight,
-                                             projections))
+            layers.append(kernels.StackLayer(
+                layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                attn.q_norm.weight if attn.q_norm is not None else None,
+                attn.k_norm.weight if attn.k_norm is not None else None,
+                attn.qkv_proj.bias, projections))
             attentions.append(attn)
             eps, intermediate = layer.input_layernorm.eps, mlp.down_proj.in_features
         attn = attentions[0]
@@ -269,7 +273,8 @@ class DecoderModel(nn.Module):
                 x = x * torch.tensor(self.embedding_multiplier, dtype=x.dtype)
         rotary = self.rotary_emb(meta.positions, x.dtype)
         delta: torch.Tensor | None = None
-        if self.native_stack is not None and meta.windowed is None:
+        if (self.native_stack is not None and meta.windowed is None
+                and (meta.decode is None or meta.decode.tables is None)):
             caches = [attn.kv_cache for attn in self._stack_attentions]
             x, delta = self.native_stack(x, rotary, caches, meta)
         else:

@@ -256,11 +256,15 @@ class StackProjection(Protocol):
 
 @dataclass(frozen=True)
 class StackLayer:
-    """One decoder layer as DecoderStack computes it: its two norms' weights and its q/k/v,
-    output, gate/up and down projections, packed for the native kernel."""
+    """One decoder layer as DecoderStack computes it: its norms' weights (Qwen3's q and k norms
+    None elsewhere), Qwen2's q/k/v bias (None elsewhere), and its q/k/v, output, gate/up and
+    down projections, packed for the native kernel."""
 
     input_norm: torch.Tensor
     post_attention_norm: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    qkv_bias: torch.Tensor | None
     projections: tuple[StackProjection, StackProjection, StackProjection, StackProjection]
 
 
@@ -283,15 +287,15 @@ class DecoderStack:
             return None
         weights: list[torch.Tensor] = []
         kinds: list[str] = []
-        for layer in layers:
-            weights.append(layer.input_norm.detach())
-            for i, p in enumerate(layer.projections):
+        for layer in layers:  # in the order csrc/decoder_stack.cpp's constructor reads
+            weights += [t.detach() if t is not None else _EMPTY for t in (
+                layer.input_norm, layer.post_attention_norm, layer.q_norm, layer.k_norm,
+                layer.qkv_bias)]
+            for p in layer.projections:
                 if p.native is None:
                     raise ValueError("DecoderStack: a projection without its native packing")
                 weights += [p.native, p.native_blocks if p.native_blocks is not None else _EMPTY]
                 kinds.append(p.native_kind)
-                if i == 1:  # the post-attention norm sits between o and gate/up
-                    weights.append(layer.post_attention_norm.detach())
         hidden = layers[0].input_norm.shape[0]
         return cls(torch.classes.llm_kernels.DecoderStack(
             weights, kinds, [heads, kv_heads, head_dim, hidden, intermediate], eps, scale))
@@ -300,7 +304,7 @@ class DecoderStack:
                  caches: list[torch.Tensor], meta: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """(the residual stream, what the last layer adds to it) after every layer, for x
         [T, E] over `caches` (one [2, S, K, D] a layer) by `meta` (models.attention's
-        AttentionMetadata, without a per-layer window)."""
+        AttentionMetadata, without a per-layer window or block tables)."""
         d, spans = meta.decode, meta.prefills
         return self._stack.forward(
             x.contiguous(), _EMPTY, rotary[0], rotary[1], meta.slot_mapping, caches,

@@ -9,10 +9,12 @@
 // engine thread, work the idle-CPU helper cannot share. Here the step calls the same native
 // kernels (ops.h) directly, in the same order on the same operands, so the results are the
 // Python path's bit for bit; prompts' attention goes through the same torch operators
-// (index_select and scaled_dot_product_attention) as there.
+// (index_select and scaled_dot_product_attention) as there, a chunk a prompt shared with the
+// idle-CPU helper.
 //
 // Built and loaded by python_backends/models/kernels.py (for the machine it runs on).
 #include <ATen/ATen.h>
+#include <c10/core/InferenceMode.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
@@ -22,6 +24,7 @@
 #include <utility>
 #include <vector>
 
+#include "idle_helper.h"
 #include "ops.h"
 
 namespace {
@@ -38,19 +41,21 @@ struct Projection {
 
 struct Layer {
   at::Tensor input_norm, post_attention_norm;
+  at::Tensor q_norm, k_norm;  // Qwen3's norms of each head's query and key (undefined: none)
+  at::Tensor qkv_bias;        // Qwen2's (undefined: none)
   Projection qkv, o, gate_up, down;
 };
 
-constexpr int64_t kTensorsPerLayer = 10;  // see DecoderStack's constructor
+constexpr int64_t kTensorsPerLayer = 13;  // see DecoderStack's constructor
 constexpr int64_t kKindsPerLayer = 4;
 
 class DecoderStack : public torch::CustomClassHolder {
  public:
-  // Per layer, in order: the input norm's weight, the q/k/v projection's packed weight and
-  // narrower form (an empty tensor: none), the output projection's two, the post-attention
-  // norm's weight, the gate/up projection's two, the down projection's two; `kinds` the four
-  // projections' layouts ("" where none); `dims` (heads H, KV heads K, head size D, hidden size
-  // E, intermediate size I).
+  // Per layer, in order: the input and post-attention norms' weights, the q and k norms'
+  // weights and the q/k/v bias (empty tensors where the layer has none), then the q/k/v, output,
+  // gate/up and down projections' packed weights, each followed by its narrower form (empty:
+  // none); `kinds` the four projections' layouts ("" where none); `dims` (heads H, KV heads K,
+  // head size D, hidden size E, intermediate size I).
   DecoderStack(std::vector<at::Tensor> weights, std::vector<std::string> kinds,
                std::vector<int64_t> dims, double eps, double scale)
       : eps_(eps), scale_(scale) {
@@ -63,15 +68,20 @@ class DecoderStack : public torch::CustomClassHolder {
                 "DecoderStack: ", kTensorsPerLayer, " weights and ", kKindsPerLayer,
                 " kinds a layer");
     const int64_t widths[kKindsPerLayer] = {(H_ + 2 * K_) * D_, E_, 2 * I_, E_};
+    auto given = [](const at::Tensor& t) { return t.numel() ? t : at::Tensor(); };
     for (int64_t l = 0; l < L; ++l) {
       const at::Tensor* w = weights.data() + l * kTensorsPerLayer;
       const std::string* k = kinds.data() + l * kKindsPerLayer;
-      auto projection = [&](int64_t i, const at::Tensor& packed, const at::Tensor& blocks) {
-        return Projection{packed, blocks.numel() ? std::optional<at::Tensor>(blocks) : std::nullopt,
+      auto projection = [&](int64_t i) {
+        const at::Tensor& blocks = w[6 + 2 * i];
+        return Projection{w[5 + 2 * i],
+                          blocks.numel() ? std::optional<at::Tensor>(blocks) : std::nullopt,
                           k[i], widths[i]};
       };
-      layers_.push_back({w[0], w[5], projection(0, w[1], w[2]), projection(1, w[3], w[4]),
-                         projection(2, w[6], w[7]), projection(3, w[8], w[9])});
+      TORCH_CHECK(given(w[2]).defined() == given(w[3]).defined(),
+                  "DecoderStack: q and k norms together or neither");
+      layers_.push_back({w[0], w[1], given(w[2]), given(w[3]), given(w[4]), projection(0),
+                         projection(1), projection(2), projection(3)});
     }
   }
 
@@ -102,8 +112,16 @@ class DecoderStack : public torch::CustomClassHolder {
       } else {
         h = llm::rms_norm(x, layer.input_norm, eps_);
       }
-      const at::Tensor qkv = layer.qkv(h);
+      at::Tensor qkv = layer.qkv(h);
       const int64_t T = qkv.size(0);
+      if (layer.qkv_bias.defined()) qkv = qkv + layer.qkv_bias;
+      if (layer.q_norm.defined()) {  // each head's query and key normalized before the rotation
+        const std::vector<at::Tensor> p = qkv.split({H_ * D_, K_ * D_, K_ * D_}, -1);
+        auto heads = [&](const at::Tensor& x, const at::Tensor& w) {
+          return llm::rms_norm(x.reshape({-1, D_}).contiguous(), w, eps_).view({T, -1});
+        };
+        qkv = at::cat({heads(p[0], layer.q_norm), heads(p[1], layer.k_norm), p[2]}, -1);
+      }
       auto [q, k] = llm::rope_write_kv(qkv, cos, sin, caches[l], slot_mapping, H_, K_);
       const at::Tensor o = attention(q, k, qkv, caches[l], decode_index, decode_slots,
                                      decode_lens, spans, span_slots, span_masks);
@@ -115,7 +133,10 @@ class DecoderStack : public torch::CustomClassHolder {
   }
 
  private:
-  // models/attention.py's paged_attention without a softcap, step for step.
+  // models/attention.py's paged_attention without a softcap, step for step, except that the
+  // prompts' attention is a chunk a prompt, which the engine thread shares with the idle-CPU
+  // helper (idle_helper.h). (Not finer: torch's CPU flash kernel over some heads of a prompt
+  // does not always round as over all of them.)
   at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& qkv,
                        const at::Tensor& cache, const at::Tensor& decode_index,
                        const at::Tensor& decode_slots, const at::Tensor& decode_lens,
@@ -124,26 +145,48 @@ class DecoderStack : public torch::CustomClassHolder {
     const bool decodes = decode_index.numel() > 0;
     if (decodes && span_slots.empty())  // every token a decode, in step order
       return llm::paged_decode_attention(q, cache, decode_slots, decode_lens, scale_);
-    const int64_t T = q.size(0);
-    const at::Tensor v = qkv.slice(1, (H_ + K_) * D_).view({T, K_, D_});
+    const int64_t T = q.size(0), H = H_, K = K_, D = D_;
+    const at::Tensor v = qkv.slice(1, (H + K) * D).view({T, K, D});
     at::Tensor out = at::empty_like(q);
+    // Each prompt's rows, mask (undefined: causal over this step's keys and values alone) and
+    // keys and values [1, K, n, D]: this step's, or its cached context's.
+    std::vector<std::tuple<int64_t, int64_t, at::Tensor, at::Tensor, at::Tensor>> prompts;
     for (size_t i = 0; i < span_slots.size(); ++i) {
       const int64_t start = spans[2 * i], end = spans[2 * i + 1];
-      const at::Tensor qs = q.slice(0, start, end).transpose(0, 1).unsqueeze(0);
-      at::Tensor o;
-      if (!span_masks[i].defined() || span_masks[i].numel() == 0) {  // nothing cached before
-        const at::Tensor ks = k.slice(0, start, end).transpose(0, 1).unsqueeze(0);
-        const at::Tensor vs = v.slice(0, start, end).transpose(0, 1).unsqueeze(0);
-        o = at::scaled_dot_product_attention(qs, ks, vs, std::nullopt, 0.0, true, scale_, true);
+      const at::Tensor& mask = span_masks[i];
+      if (!mask.defined() || mask.numel() == 0) {  // nothing cached before
+        prompts.emplace_back(start, end, at::Tensor(),
+                             k.slice(0, start, end).transpose(0, 1).unsqueeze(0),
+                             v.slice(0, start, end).transpose(0, 1).unsqueeze(0));
       } else {
-        const at::Tensor ks =
-            cache[0].index_select(0, span_slots[i]).transpose(0, 1).unsqueeze(0);
-        const at::Tensor vs =
-            cache[1].index_select(0, span_slots[i]).transpose(0, 1).unsqueeze(0);
-        o = at::scaled_dot_product_attention(qs, ks, vs, span_masks[i], 0.0, false, scale_, true);
+        prompts.emplace_back(start, end, mask,
+                             cache[0].index_select(0, span_slots[i]).transpose(0, 1).unsqueeze(0),
+                             cache[1].index_select(0, span_slots[i]).transpose(0, 1).unsqueeze(0));
       }
-      out.slice(0, start, end).copy_(o[0].transpose(0, 1));
     }
+    llm::Job job;
+    job.chunks = static_cast<int64_t>(prompts.size());
+    float* op = out.mutable_data_ptr<float>();
+    const int64_t row_bytes = static_cast<int64_t>(H * D * sizeof(float));
+    job.place = [=](int64_t c) {
+      const auto& [start, end, mask, ks, vs] = prompts[c];
+      return llm::Block{reinterpret_cast<char*>(op + start * H * D), row_bytes, end - start,
+                        row_bytes};
+    };
+    const double scale = scale_;
+    job.compute = [=](int64_t c, char* dst, int64_t ld) {
+      c10::InferenceMode inference;  // as the engine's step (the helper's thread has no mode)
+      const auto& [start, end, mask, ks, vs] = prompts[c];
+      const at::Tensor o = at::scaled_dot_product_attention(
+          q.slice(0, start, end).transpose(0, 1).unsqueeze(0), ks, vs,
+          mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt, 0.0,
+          !mask.defined(), scale, true);
+      at::from_blob(dst, {end - start, H, D}, {ld / static_cast<int64_t>(sizeof(float)), D, 1},
+                    q.options())
+          .copy_(o[0].transpose(0, 1));
+    };
+    job.keep = {q, out};
+    llm::run(std::move(job));
     if (decodes) {
       const at::Tensor rows = q.index_select(0, decode_index).contiguous();
       out.index_put_({decode_index},
