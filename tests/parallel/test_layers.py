@@ -131,9 +131,12 @@ def test_engines_load_with_the_measured_choice(tiny_llama: TinyModel, torch_thre
 
 
 def test_one_thread_engines_compute_projections_natively_and_match_hf(
-    tiny_llama: TinyModel, torch_threads: None,
+    tiny_llama: TinyModel, torch_threads: None, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """Layer by layer, as the profiler sees each operator (the stack calls the same kernels
+    from C++, and tests/models/test_decoder_stack.py holds it to this path bit for bit)."""
     assert kernels.load(), "the native kernels did not build here (see the warning logged)"
+    monkeypatch.setenv(kernels.STACK_ENV, "0")
     engine = LLMEngine.from_engine_dir(tiny_llama.engine_dir, num_kv_blocks=128, cpu_threads=1)
     model = engine.runner.model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
