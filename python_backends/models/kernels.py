@@ -53,8 +53,14 @@ def cflags() -> tuple[str, ...]:
     return CFLAGS + (chosen.cflags if chosen is not None else ())
 
 
+def switched_on(variable: str) -> bool:
+    """Whether an on/off environment switch is on: anything but "0", "off", "false" or "no"
+    (unset: on)."""
+    return os.environ.get(variable, "1").strip().lower() not in ("0", "off", "false", "no")
+
+
 def enabled() -> bool:
-    return os.environ.get(SWITCH_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
+    return switched_on(SWITCH_ENV)
 
 
 def _cpu_signature() -> str:
@@ -198,7 +204,7 @@ class NativeLinear:
         float32 values, from GGUF blocks (models.weight_blocks: 4-bit from Q4_1, Q4_0 or Q4_K;
         5-bit from Q5_0, Q5_1, Q5_K; Q6_K; Q8_0), else as 16-bit floats (a checkpoint stored in
         bfloat16 or float16, widened to float32 by the engine build)."""
-        if os.environ.get(BLOCKS_ENV, "1").strip() == "0":
+        if not switched_on(BLOCKS_ENV):
             return None
         ops = torch.ops.llm_kernels
         for kind in weight_blocks.KINDS:
@@ -243,7 +249,7 @@ def helper_off() -> Iterator[None]:
 
 
 def stack_enabled() -> bool:
-    return os.environ.get(STACK_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
+    return switched_on(STACK_ENV)
 
 
 class StackProjection(Protocol):
@@ -307,7 +313,7 @@ class DecoderStack:
         AttentionMetadata, without a per-layer window or block tables)."""
         d, spans = meta.decode, meta.prefills
         return self._stack.forward(
-            x.contiguous(), _EMPTY, rotary[0], rotary[1], meta.slot_mapping, caches,
+            x.contiguous(), rotary[0], rotary[1], meta.slot_mapping, caches,
             d.token_index if d is not None else _EMPTY, d.slots if d is not None else _EMPTY,
             d.lens if d is not None else _EMPTY, [i for s in spans for i in (s.start, s.end)],
             [s.context_slots for s in spans],

@@ -85,15 +85,15 @@ class DecoderStack : public torch::CustomClassHolder {
     }
   }
 
-  // The step through every layer: x [T, E] the residual stream, delta what the layer before
-  // adds to it (None: nothing); cos, sin the step's rotary tables; slot_mapping [T] where each
+  // The step through every layer: x [T, E] the residual stream (the embeddings); cos, sin the
+  // step's rotary tables; slot_mapping [T] where each
   // token's keys and values go; caches [2, S, K, D] one a layer. Attention metadata as
   // models/attention.py's: decode rows (their index in the step [B], context slots [B, L] and
   // lengths [B]; empty tensors where the step has none) and prompt spans (start and end rows,
   // pairs in `spans`; each one's context slots and mask, empty where it has no cached context).
   // Returns (x, delta) for the final norm.
-  std::tuple<at::Tensor, at::Tensor> forward(at::Tensor x, at::Tensor delta, at::Tensor cos,
-                                             at::Tensor sin, at::Tensor slot_mapping,
+  std::tuple<at::Tensor, at::Tensor> forward(at::Tensor x, at::Tensor cos, at::Tensor sin,
+                                             at::Tensor slot_mapping,
                                              std::vector<at::Tensor> caches,
                                              at::Tensor decode_index, at::Tensor decode_slots,
                                              at::Tensor decode_lens, std::vector<int64_t> spans,
@@ -103,11 +103,11 @@ class DecoderStack : public torch::CustomClassHolder {
                 " caches, got ", caches.size());
     TORCH_CHECK(spans.size() == 2 * span_slots.size() && span_slots.size() == span_masks.size(),
                 "DecoderStack: (start, end), slots and a mask for each prompt span");
-    const bool has_delta = delta.numel() > 0;
+    at::Tensor delta;  // what the layer before adds to the residual stream
     for (size_t l = 0; l < layers_.size(); ++l) {
       const Layer& layer = layers_[l];
       at::Tensor h;
-      if (has_delta || l > 0) {
+      if (l > 0) {
         std::tie(x, h) = llm::add_rms_norm(x, delta, layer.input_norm, eps_);
       } else {
         h = llm::rms_norm(x, layer.input_norm, eps_);

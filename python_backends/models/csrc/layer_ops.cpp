@@ -46,6 +46,22 @@ int64_t check_norm(const at::Tensor& x, const at::Tensor& w, const char* op) {
   return w.size(0);
 }
 
+// Rotate-half rotary embedding of one head: out = x * cos + rotate_half(x) * sin.
+void rotate(const float* x, const float* cos, const float* sin, float* out, int64_t D) {
+  const int64_t half = D / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    out[i] = x[i] * cos[i] - x[i + half] * sin[i];
+    out[i + half] = x[i + half] * cos[i + half] + x[i] * sin[i + half];
+  }
+}
+
+// SiLU(g) = g * sigmoid(g), with sigmoid from exp of -|g| (exp_nonpositive's range).
+inline vec silu(vec g) {
+  const vec e = llm::exp_nonpositive(g < 0 ? g : -g);
+  const vec one = vec{} + 1.f;
+  return g * (g < 0 ? e : one) / (one + e);
+}
+
 }  // namespace
 
 namespace llm {
@@ -77,22 +93,6 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   return {sum, y};
 }
 
-}  // namespace llm
-
-namespace {
-
-// Rotate-half rotary embedding of one head: out = x * cos + rotate_half(x) * sin.
-void rotate(const float* x, const float* cos, const float* sin, float* out, int64_t D) {
-  const int64_t half = D / 2;
-  for (int64_t i = 0; i < half; ++i) {
-    out[i] = x[i] * cos[i] - x[i + half] * sin[i];
-    out[i + half] = x[i + half] * cos[i + half] + x[i] * sin[i + half];
-  }
-}
-
-}  // namespace
-
-namespace llm {
 
 // qkv [T, (H + 2K) * D], the step's tables cos and sin [T, D] (any [T, 1, D] view): q and k
 // rotated, returned as q [T, H, D] and k [T, K, D]; k and v written to cache [2, S, K, D] at
@@ -134,20 +134,6 @@ std::tuple<at::Tensor, at::Tensor> rope_write_kv(const at::Tensor& qkv, const at
   return {q, k};
 }
 
-}  // namespace llm
-
-namespace {
-
-// SiLU(g) = g * sigmoid(g), with sigmoid from exp of -|g| (exp_nonpositive's range).
-inline vec silu(vec g) {
-  const vec e = llm::exp_nonpositive(g < 0 ? g : -g);
-  const vec one = vec{} + 1.f;
-  return g * (g < 0 ? e : one) / (one + e);
-}
-
-}  // namespace
-
-namespace llm {
 
 // gate_up [T, 2I] -> SiLU(gate) * up [T, I].
 at::Tensor silu_mul(const at::Tensor& gate_up) {
