@@ -86,12 +86,11 @@ class DecoderStack : public torch::CustomClassHolder {
   }
 
   // The step through every layer: x [T, E] the residual stream (the embeddings); cos, sin the
-  // step's rotary tables; slot_mapping [T] where each
-  // token's keys and values go; caches [2, S, K, D] one a layer. Attention metadata as
-  // models/attention.py's: decode rows (their index in the step [B], context slots [B, L] and
-  // lengths [B]; empty tensors where the step has none) and prompt spans (start and end rows,
-  // pairs in `spans`; each one's context slots and mask, empty where it has no cached context).
-  // Returns (x, delta) for the final norm.
+  // step's rotary tables; slot_mapping [T] where each token's keys and values go; caches
+  // [2, S, K, D] one a layer. Attention metadata as models/attention.py's: decode rows (their
+  // index in the step [B], context slots [B, L] and lengths [B]; empty tensors where the step
+  // has none) and prompt spans (start and end rows, pairs in `spans`; each one's context slots
+  // and mask, empty where it has no cached context). Returns (x, delta) for the final norm.
   std::tuple<at::Tensor, at::Tensor> forward(at::Tensor x, at::Tensor cos, at::Tensor sin,
                                              at::Tensor slot_mapping,
                                              std::vector<at::Tensor> caches,

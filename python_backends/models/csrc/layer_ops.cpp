@@ -93,7 +93,6 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   return {sum, y};
 }
 
-
 // qkv [T, (H + 2K) * D], the step's tables cos and sin [T, D] (any [T, 1, D] view): q and k
 // rotated, returned as q [T, H, D] and k [T, K, D]; k and v written to cache [2, S, K, D] at
 // slots [T].
@@ -133,7 +132,6 @@ std::tuple<at::Tensor, at::Tensor> rope_write_kv(const at::Tensor& qkv, const at
   }
   return {q, k};
 }
-
 
 // gate_up [T, 2I] -> SiLU(gate) * up [T, I].
 at::Tensor silu_mul(const at::Tensor& gate_up) {
