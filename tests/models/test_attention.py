@@ -157,12 +157,16 @@ def test_decode_attention_uses_the_kernel_or_falls_back(kernel, monkeypatch):
 
 @pytest.mark.parametrize("value,on", [(None, True), ("1", True), ("0", False), ("off", False),
                                       (" False ", False), ("no", False)])
-def test_switch(monkeypatch, value, on):
+@pytest.mark.parametrize("variable,read", [
+    (kernels.SWITCH_ENV, kernels.enabled), (kernels.STACK_ENV, kernels.stack_enabled),
+    (kernels.BLOCKS_ENV, lambda: kernels.switched_on(kernels.BLOCKS_ENV))])
+def test_switch(monkeypatch, variable, read, value, on):
+    """Every on/off switch of the kernels reads its variable the same way."""
     if value is None:
-        monkeypatch.delenv(kernels.SWITCH_ENV, raising=False)
+        monkeypatch.delenv(variable, raising=False)
     else:
-        monkeypatch.setenv(kernels.SWITCH_ENV, value)
-    assert kernels.enabled() is on
+        monkeypatch.setenv(variable, value)
+    assert read() is on
 
 
 def test_a_failed_build_leaves_the_torch_ops(tmp_path, monkeypatch, caplog):
