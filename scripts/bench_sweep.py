@@ -7,7 +7,9 @@ optionally a peer OpenAI-compatible server with the same aiperf workload in the 
 prints each level's figures and the ratios to the peer. The peer is either started here
 (`--peer vllm`: vLLM for CPU from .venv-vllm on the engine's weights in float32, set up on first
 use; python_backends/bench/vllm_peer.py) or given (`--peer-url`). `--rounds N` measures every
-level N times, the targets interleaved level by level, so drift shows; before the first round
+level N times, the targets interleaved level by level, so drift shows, and prints each ratio's
+median over the rounds beside each round's (one round's baseline can move a ratio by a tenth on
+a shared machine); before the first round
 each target serves one unmeasured pass at the highest level (`--warmup-requests`), so a server
 just started does not pay its first batch shapes in the first level measured. aiperf refills a freed
 concurrency slot within 1/--pace-hz seconds instead of polling for it without sleeping (its
@@ -43,6 +45,7 @@ import contextlib
 import csv
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -467,15 +470,46 @@ def print_tables(rows: list[dict[str, Any]], ours: str, peer: str | None) -> Non
         return
     print(f"\n{ours} / {peer}, each round (throughput higher is better; TTFT p95 and ITL p50 "
           "lower is better):")
+    ratios = round_ratios(rows, ours, peer)
+    for (rnd, c), (throughput, ttft, itl) in ratios.items():
+        print(f"  round {rnd} c={c}: throughput x{throughput:.2f}, TTFT p95 x{ttft:.2f}, "
+              f"ITL p50 x{itl:.2f}")
+    for c, (throughput, ttft, itl, n) in median_ratios(ratios).items():
+        if n > 1:
+            print(f"  c={c}, median of {n} rounds: throughput x{throughput:.2f}, TTFT p95 "
+                  f"x{ttft:.2f}, ITL p50 x{itl:.2f}")
+
+
+Ratios = tuple[float, float, float]  # ours / peer: throughput, TTFT p95, ITL p50
+
+
+def round_ratios(rows: list[dict[str, Any]], ours: str, peer: str
+                 ) -> dict[tuple[int, int], Ratios]:
+    """(round, concurrency) -> our figures over the peer's of the same round and level."""
     theirs = {(r["round"], r["concurrency"]): r for r in rows if r["target"] == peer}
+    out: dict[tuple[int, int], Ratios] = {}
     for r in rows:
         p = theirs.get((r["round"], r["concurrency"]))
         if r["target"] != ours or p is None:
             continue
-        print(f"  round {r['round']} c={r['concurrency']}: throughput "
-              f"x{r['output_tokens_per_s'] / p['output_tokens_per_s']:.2f}, TTFT p95 "
-              f"x{r['ttft_p95_ms'] / p['ttft_p95_ms']:.2f}, ITL p50 "
-              f"x{r['itl_p50_ms'] / p['itl_p50_ms']:.2f}")
+        out[(r["round"], r["concurrency"])] = (
+            r["output_tokens_per_s"] / p["output_tokens_per_s"],
+            r["ttft_p95_ms"] / p["ttft_p95_ms"], r["itl_p50_ms"] / p["itl_p50_ms"])
+    return out
+
+
+def median_ratios(ratios: dict[tuple[int, int], Ratios]
+                  ) -> dict[int, tuple[float, float, float, int]]:
+    """Concurrency -> each ratio's median over the rounds, and how many rounds: on a shared
+    machine one round's baseline can move a ratio by a tenth (docs/benchmarks.md)."""
+    by_level: dict[int, list[Ratios]] = {}
+    for (_, c), one in ratios.items():
+        by_level.setdefault(c, []).append(one)
+    out: dict[int, tuple[float, float, float, int]] = {}
+    for c, rounds in by_level.items():
+        throughput, ttft, itl = (statistics.median(v[i] for v in rounds) for i in range(3))
+        out[c] = (throughput, ttft, itl, len(rounds))
+    return out
 
 
 if __name__ == "__main__":

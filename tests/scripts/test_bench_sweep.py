@@ -25,3 +25,20 @@ def test_warm_up_runs_the_highest_level(sweep: ModuleType, argv: list[str],
                                         want: tuple[int, int]) -> None:
     args = sweep._parser().parse_args(["--concurrency", "8,32,1", *argv])
     assert sweep._warmup(args, [8, 32, 1]) == want
+
+
+def test_ratios_per_round_and_their_median_per_level(sweep: ModuleType) -> None:
+    def row(rnd: int, target: str, c: int, tok_s: float, ttft: float, itl: float) -> dict:
+        return {"round": rnd, "target": target, "concurrency": c, "output_tokens_per_s": tok_s,
+                "ttft_p95_ms": ttft, "itl_p50_ms": itl}
+
+    rows = [row(1, "ours", 32, 360.0, 800.0, 80.0), row(1, "vllm", 32, 180.0, 4000.0, 160.0),
+            row(2, "vllm", 32, 200.0, 5000.0, 100.0), row(2, "ours", 32, 300.0, 1000.0, 90.0),
+            row(3, "ours", 32, 340.0, 900.0, 85.0), row(3, "vllm", 32, 170.0, 4500.0, 170.0),
+            row(1, "ours", 8, 250.0, 200.0, 30.0), row(1, "vllm", 8, 125.0, 800.0, 50.0)]
+    ratios = sweep.round_ratios(rows, "ours", "vllm")
+    assert ratios[(2, 32)] == pytest.approx((1.5, 0.2, 0.9))
+    assert set(ratios) == {(1, 32), (2, 32), (3, 32), (1, 8)}
+    medians = sweep.median_ratios(ratios)
+    assert medians[32] == pytest.approx((2.0, 0.2, 0.5, 3))  # not the mean (1.83)
+    assert medians[8] == pytest.approx((2.0, 0.25, 0.6, 1))
