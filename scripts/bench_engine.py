@@ -90,6 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[roofline] one token through them: {rates.step_read_s * 1e3:.1f} ms "
           f"({projections.weight_bytes / rates.step_read_s / 1e9:.1f} GB/s); "
           f"{rates.prompt_rows} tokens at once: {rates.flops_per_s / 1e9:.0f} GFLOP/s", flush=True)
+    if rates.fma_peak_flops_per_s:
+        print(f"[roofline] one thread's float32 FMA peak, measured: "
+              f"{rates.fma_peak_flops_per_s / 1e9:.0f} GFLOP/s (the projections at "
+              f"{rates.flops_per_s / rates.fma_peak_flops_per_s:.0%} of it on "
+              f"{torch.get_num_threads()} thread(s))", flush=True)
 
     # First steps of new batch shapes are slow (oneDNN picks kernels): warm up outside the levels.
     warm = Workload(args.prompt_tokens, 4, max(levels), max(levels))
@@ -135,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             "engine": str(args.engine), "kind": kind, "threads": torch.get_num_threads(),
             "cores": cores, "weight_bytes": projections.weight_bytes,
             "flops_per_s": rates.flops_per_s, "step_read_s": rates.step_read_s,
+            "fma_peak_flops_per_s": rates.fma_peak_flops_per_s,
             "levels": rows,
         }, indent=2))
     return 0

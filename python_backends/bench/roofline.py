@@ -80,6 +80,7 @@ class Rates:
     flops_per_s: float  # the projections on `prompt_rows` tokens at once
     step_read_s: float  # one token through every projection: a step's weight-read floor
     prompt_rows: int
+    fma_peak_flops_per_s: float | None = None  # one thread's float32 FMAs (kernels.fma_peak)
 
     def min_step_s(self, cores: int = 1) -> float:
         """The shortest step, so the shortest time between two tokens of one stream."""
@@ -91,7 +92,8 @@ def measure(projections: Projections, prompt_rows: int = 512, repeats: int = 3) 
     flops = prompt_rows * (projections.flops_per_token + projections.lm_head_flops)
     with kernels.helper_off():
         return Rates(flops_per_s=flops / projections.run(prompt_rows, repeats),
-                     step_read_s=projections.run(1, repeats), prompt_rows=prompt_rows)
+                     step_read_s=projections.run(1, repeats), prompt_rows=prompt_rows,
+                     fma_peak_flops_per_s=kernels.fma_peak_flops())
 
 
 @dataclass(frozen=True)

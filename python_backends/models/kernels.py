@@ -142,6 +142,17 @@ def screen_path() -> str:
     return str(torch.ops.llm_kernels.screen_path()) if load() else ""
 
 
+def fma_peak_flops() -> float | None:
+    """Float32 FLOP/s (two a multiply-add) that one thread's FMA units sustain with the
+    kernels' vectors, measured now (about 0.1 s); None without the native kernels. What the
+    projections' rate is read against (bench.roofline)."""
+    if not load():
+        return None
+    ops = torch.ops.llm_kernels
+    ops.fma_peak(1_000_000)  # the core up to its clock first
+    return 2.0 * max(ops.fma_peak(5_000_000) for _ in range(3))
+
+
 @dataclass(frozen=True)
 class HelperStats:
     """Since the process started: chunks of native-kernel work, those the idle-CPU helper

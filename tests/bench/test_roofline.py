@@ -19,6 +19,7 @@ from python_backends.bench.roofline import (
 from python_backends.config import EngineLimits, ParallelLayout
 from python_backends.engine.builder import write_engine
 from python_backends.engine.llm_engine import LLMEngine
+from python_backends.models import kernels
 from python_backends.models.decoder import CausalLM
 from python_backends.parallel.context import ParallelContext
 from python_backends.parallel.layers import int8_supported
@@ -105,6 +106,10 @@ def test_measured_rates_are_positive_and_finite(tiny_llama: TinyModel) -> None:
     rates = measure(projections_of(tiny_llama), prompt_rows=16, repeats=2)
     assert 0 < rates.flops_per_s < float("inf")
     assert 0 < rates.step_read_s < 1.0
+    if kernels.load():  # the ceiling the projections are read against
+        assert rates.fma_peak_flops_per_s is not None and rates.fma_peak_flops_per_s > 0
+    else:
+        assert rates.fma_peak_flops_per_s is None
 
 
 def test_driven_engine_serves_every_token_in_no_fewer_steps_than_the_floor(

@@ -167,6 +167,17 @@ def test_refuses_bad_arguments(ops):
             call()
 
 
+def test_fma_peak_is_a_plausible_rate_measured_inside_its_timing(ops):
+    # Between 0.1 and 1000 GMAC/s on one thread: no CPU does more (two 512-bit FMA units at
+    # 5 GHz: 160). A loop a compiler had moved out of the timed span reads ~1e16.
+    rate = ops.fma_peak(200_000)
+    assert 1e8 < rate < 1e12
+    flops = kernels.fma_peak_flops()  # FLOP/s, two a multiply-add
+    assert flops is not None and 2e8 < flops < 2e12
+    with pytest.raises(RuntimeError, match="iterations must be positive"):
+        ops.fma_peak(0)
+
+
 def test_no_rows_give_no_rows(ops):
     w = ops.pack_linear_weight(torch.randn(96, 64))
     assert ops.linear(torch.empty(0, 64), w, 96).shape == (0, 96)

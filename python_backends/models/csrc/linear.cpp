@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -317,6 +318,31 @@ int64_t panels_per_chunk(int64_t T, int64_t K, int64_t weight_bytes, double flop
   const double read = static_cast<double>(K * NR * weight_bytes) / kBytesPerS;
   const double arithmetic = 2.0 * static_cast<double>(T * K * NR) / flops_per_s;
   return std::max<int64_t>(1, static_cast<int64_t>(kChunkSeconds / std::max(read, arithmetic)));
+}
+
+// Multiply-adds a second that the calling thread's FMA units sustain on this build's vectors:
+// a tile's 2 MR independent accumulators, so throughput bounds it and not latency. The ceiling
+// that the projections' rate is read against (bench/roofline.py): on the 2-core AMD EPYC of
+// docs/engines.md, 57.8 GMAC/s a core, one 512-bit FMA a cycle at about 3.6 GHz.
+double fma_peak(int64_t iterations) {
+  TORCH_CHECK(iterations > 0, "fma_peak: iterations must be positive, got ", iterations);
+  // Volatile reads and writes pin the loop between the clock's two readings (a compiler may
+  // otherwise move arithmetic that has no side effects across them).
+  volatile float factor = 0.999f, term = 1e-3f, sink = 0.f;
+  vec acc[2 * MR];
+  const auto start = std::chrono::steady_clock::now();
+  const vec x = vec{} + factor, y = vec{} + term;  // each sum settles at 1, never denormal
+  for (auto& a : acc) a = vec{} + 1.f;
+  for (int64_t i = 0; i < iterations; ++i) {
+#pragma GCC unroll 24
+    for (int64_t j = 0; j < 2 * MR; ++j) acc[j] = acc[j] * x + y;
+  }
+  float sum = 0.f;
+  for (const auto& a : acc) sum += llm::hsum(a);
+  sink = sum;
+  const std::chrono::duration<double> took = std::chrono::steady_clock::now() - start;
+  TORCH_CHECK(std::isfinite(sink), "fma_peak: the sums diverged");
+  return static_cast<double>(iterations * 2 * MR * VL) / took.count();
 }
 
 // From this many tokens a call computes on AMX tiles (amx.h), where the CPU has them.
@@ -989,6 +1015,7 @@ at::Tensor candidate_argmax(const at::Tensor& x_in, const at::Tensor& w_in, cons
 
 TORCH_LIBRARY_FRAGMENT(llm_kernels, m) {
   m.def("linear_amx() -> bool", &linear_amx);
+  m.def("fma_peak(int iterations) -> float", &fma_peak);
   m.def("screen_path() -> str", &screen_path);
   m.def("pack_linear_weight(Tensor weight) -> Tensor", &pack_linear_weight);
   m.def("pack_blocks(Tensor weight, Tensor q, Tensor d, Tensor? m, str kind) -> Tensor",
