@@ -91,10 +91,11 @@ def main(argv: list[str] | None = None) -> int:
           f"({projections.weight_bytes / rates.step_read_s / 1e9:.1f} GB/s); "
           f"{rates.prompt_rows} tokens at once: {rates.flops_per_s / 1e9:.0f} GFLOP/s", flush=True)
     if rates.fma_peak_flops_per_s:
+        threads = torch.get_num_threads()
         print(f"[roofline] one thread's float32 FMA peak, measured: "
-              f"{rates.fma_peak_flops_per_s / 1e9:.0f} GFLOP/s (the projections at "
-              f"{rates.flops_per_s / rates.fma_peak_flops_per_s:.0%} of it on "
-              f"{torch.get_num_threads()} thread(s))", flush=True)
+              f"{rates.fma_peak_flops_per_s / 1e9:.0f} GFLOP/s; the projections at "
+              f"{rates.flops_per_s / (threads * rates.fma_peak_flops_per_s):.0%} of "
+              f"{threads} thread(s)' peak", flush=True)
 
     # First steps of new batch shapes are slow (oneDNN picks kernels): warm up outside the levels.
     warm = Workload(args.prompt_tokens, 4, max(levels), max(levels))
