@@ -21,7 +21,10 @@ the engine loop's phases; python_backends/bench/breakdown.py).
 `--dataset chat` replaces the random prompts with scripts/data/chat-prompts.jsonl (questions,
 instructions, code, summaries of a passage and follow-ups written for this benchmark; greedy, up
 to --chat-max-tokens, ending at the end token), sent to our gateway's and the peer's OpenAI chat
-endpoints (aiperf's `chat` endpoint type). `--client vllm` measures with vLLM's own serving
+endpoints (aiperf's `chat` endpoint type). The prompts are handed out in slices of one seeded
+order (`PromptSlices`): the warm-up and every level of every round send prompts that no earlier
+one sent (both targets of a level the same), until the file's 215 run out (a sweep of 1, 8 and 32
+takes 160, its warm-up included). `--client vllm` measures with vLLM's own serving
 benchmark client (`vllm bench serve`, backend `openai-chat`, unpaced: every free concurrency
 slot refilled at once) against the same OpenAI endpoints instead, on either dataset. Every row
 records its client, pacing, dataset, the CPU (model and instruction sets), the engine's CPU path
@@ -45,6 +48,7 @@ import contextlib
 import csv
 import json
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -80,6 +84,47 @@ from python_backends.procfs import cpu_description
 
 CHAT_DATASET = PROJECT_ROOT / "scripts" / "data" / "chat-prompts.jsonl"
 AIPERF, VLLM_CLIENT = "aiperf", "vllm bench serve"
+
+
+class PromptSlices:
+    """The chat prompts (the dataset's JSONL rows) in one seeded order, handed out a slice at a
+    time: the warm-up and each level of each round get prompts that no earlier one sent (both
+    targets of a level the same slice), so a level does not find its prompts in the servers'
+    prefix caches, as a user's new requests would not. Past the last row it starts over, and
+    `wrapped` says so."""
+
+    def __init__(self, rows: list[str], seed: int = 0) -> None:
+        if not rows:
+            raise ValueError("no prompts to hand out")
+        self.rows = list(rows)
+        random.Random(seed).shuffle(self.rows)
+        self.next = 0
+        self.wrapped = False
+
+    def take(self, n: int) -> list[str]:
+        out = []
+        for _ in range(n):
+            if self.next == len(self.rows):
+                self.next, self.wrapped = 0, True
+            out.append(self.rows[self.next])
+            self.next += 1
+        return out
+
+    def write(self, n: int, path: Path, aiperf: bool = False) -> Path:
+        """The next `n` rows into `path`: as they are (vLLM's client's `custom` dataset reads
+        their "prompt"), or as aiperf's single_turn rows ({"text": prompt})."""
+        rows = self.take(n)
+        if aiperf:
+            rows = [json.dumps({"text": json.loads(r)["prompt"]}) for r in rows]
+        path.write_text("".join(r + "\n" for r in rows))
+        if self.wrapped:
+            print(f"[sweep] the {len(self.rows)} chat prompts are used up: {path.name} repeats "
+                  "some sent before", flush=True)
+        return path
+
+    @classmethod
+    def of_dataset(cls) -> PromptSlices:
+        return cls([line for line in CHAT_DATASET.read_text().splitlines() if line.strip()])
 
 # (aiperf's JSON key, our column)
 FIELDS = [
@@ -223,10 +268,15 @@ def _peer(args: argparse.Namespace, stack: contextlib.ExitStack) -> Target | Non
                          ignore_eos=args.peer_ignore_eos)
 
 
+def _requests(args: argparse.Namespace, c: int) -> int:
+    """A level's requests: --requests, at least twice its concurrency."""
+    return max(args.requests, 2 * c)
+
+
 def _measure(args: argparse.Namespace, aiperf: str, target: Target, c: int, tmp: Path,
-             ours: Ours | None, n: int | None = None) -> dict[str, Any]:
-    """One level; `n` requests (default: --requests, at least 2x the concurrency)."""
-    n = n or max(args.requests, 2 * c)
+             ours: Ours | None, n: int, prompts: Path | None = None) -> dict[str, Any]:
+    """One level of `n` requests; `prompts`: the chat dataset's slice for it (aiperf's
+    single_turn rows)."""
     print(f"[sweep] {target.name} concurrency {c}: {n} requests, aiperf, {args.dataset} ...",
           flush=True)
     snap = ours.snapshot() if ours else None
@@ -236,8 +286,7 @@ def _measure(args: argparse.Namespace, aiperf: str, target: Target, c: int, tmp:
                          prompt_tokens=args.prompt_tokens,
                          output_tokens=args.chat_max_tokens if chat else args.output_tokens,
                          tokenizer=args.engine, artifacts=tmp / f"{target.name}-c{c}-{time.time()}",
-                         pace_hz=args.pace_hz, timeout_s=args.timeout,
-                         prompts=_aiperf_prompts(tmp) if chat else None)
+                         pace_hz=args.pace_hz, timeout_s=args.timeout, prompts=prompts)
     except AiperfError as e:
         raise SystemExit(str(e)) from e
     row = row_of(target.name, c, result)
@@ -250,15 +299,6 @@ def _measure(args: argparse.Namespace, aiperf: str, target: Target, c: int, tmp:
     if ours is not None and snap is not None:
         ours.record(row, snap)
     return row
-
-
-def _aiperf_prompts(tmp: Path) -> Path:
-    """The chat dataset as aiperf's single_turn JSONL (each row's prompt; written once)."""
-    path = tmp / "chat-aiperf.jsonl"
-    if not path.exists():
-        rows = [json.loads(line) for line in CHAT_DATASET.read_text().splitlines() if line]
-        path.write_text("".join(json.dumps({"text": r["prompt"]}) + "\n" for r in rows))
-    return path
 
 
 @dataclass
@@ -289,14 +329,14 @@ class Ours:
 
 
 def _measure_vllm_client(args: argparse.Namespace, url: str, model: str, name: str, c: int,
-                         tmp: Path, ours: Ours | None, n: int | None = None) -> dict[str, Any]:
-    """One level with vLLM's client (openai-chat, unpaced) against `url`'s OpenAI API; `n`
-    requests as in `_measure`."""
-    n = n or max(args.requests, 2 * c)
+                         tmp: Path, ours: Ours | None, n: int,
+                         prompts: Path | None = None) -> dict[str, Any]:
+    """One level of `n` requests with vLLM's client (openai-chat, unpaced) against `url`'s
+    OpenAI API; `prompts`: the chat dataset's slice for it, sent in its order."""
     print(f"[sweep] {name} concurrency {c}: {n} requests, vLLM's client, {args.dataset} ...",
           flush=True)
-    if args.dataset == "chat":
-        data = ["--dataset-name", "custom", "--dataset-path", str(CHAT_DATASET),
+    if prompts is not None:
+        data = ["--dataset-name", "custom", "--dataset-path", str(prompts), "--disable-shuffle",
                 "--skip-chat-template", "--custom-output-len", str(args.chat_max_tokens)]
     else:
         data = ["--dataset-name", "random", "--random-input-len", str(args.prompt_tokens),
@@ -380,15 +420,23 @@ def main_vllm_client(args: argparse.Namespace) -> int:
         peer = _peer(args, stack)
         ours = ("ours", url, args.model)
         targets_all = [ours] + ([(peer.name, peer.url, peer.model)] if peer else [])
+        slices = PromptSlices.of_dataset() if args.dataset == "chat" else None
+
+        def prompts(n: int, tag: str) -> Path | None:
+            return slices.write(n, tmp / f"chat-{tag}.jsonl") if slices else None
+
         c, n = _warmup(args, levels)
+        warm = prompts(n, "warmup") if n else None
         for name, target_url, model in targets_all if n else ():
             print(f"[sweep] warm-up, not measured: {name}", flush=True)
-            _measure_vllm_client(args, target_url, model, name, c, tmp, None, n)
+            _measure_vllm_client(args, target_url, model, name, c, tmp, None, n, warm)
         for r in range(1, args.rounds + 1):
             for c in levels:
+                n = _requests(args, c)
+                level = prompts(n, f"r{r}-c{c}")
                 for name, target_url, model in targets_all[:: 1 if r % 2 else -1]:
                     row = _measure_vllm_client(args, target_url, model, name, c, tmp,
-                                               server if name == "ours" else None)
+                                               server if name == "ours" else None, n, level)
                     rows.append({"round": r, **row, "cpu": cpu, "cpu_path": cpu_isa.describe()})
     write_results(rows, args.out_dir)
     print(f"\nclient {VLLM_CLIENT} (openai-chat), unpaced; dataset {args.dataset}; CPU {cpu}; "
@@ -425,16 +473,24 @@ def main(argv: list[str] | None = None) -> int:
             server = _ours(args, metrics_url, {})
             ours = Target.ours(url, tmp)
         peer = _peer(args, stack)
+        slices = PromptSlices.of_dataset() if args.dataset == "chat" else None
+
+        def prompts(n: int, tag: str) -> Path | None:
+            return slices.write(n, tmp / f"chat-{tag}.jsonl", aiperf=True) if slices else None
+
         c, n = _warmup(args, levels)
+        warm = prompts(n, "warmup") if n else None
         for target in [ours, *([peer] if peer else [])] if n else ():
             print(f"[sweep] warm-up, not measured: {target.name}", flush=True)
-            _measure(args, aiperf, target, c, tmp, None, n)
+            _measure(args, aiperf, target, c, tmp, None, n, warm)
         for r in range(1, args.rounds + 1):
             targets = [ours] if peer is None else [ours, peer][:: 1 if r % 2 else -1]
             for c in levels:
+                n = _requests(args, c)
+                level = prompts(n, f"r{r}-c{c}")
                 for target in targets:
                     row = _measure(args, aiperf, target, c, tmp,
-                                   server if target is ours else None)
+                                   server if target is ours else None, n, level)
                     rows.append({"round": r, **row, "cpu": cpu, "cpu_path": cpu_isa.describe()})
     write_results(rows, args.out_dir)
     print(f"\nclient {AIPERF}, {rows[0]['pacing'] if rows else ''}; dataset {args.dataset}; "

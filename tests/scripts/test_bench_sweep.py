@@ -3,6 +3,8 @@ servers: docs/benchmarks.md)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -42,3 +44,31 @@ def test_ratios_per_round_and_their_median_per_level(sweep: ModuleType) -> None:
     medians = sweep.median_ratios(ratios)
     assert medians[32] == pytest.approx((2.0, 0.2, 0.5, 3))  # not the mean (1.83)
     assert medians[8] == pytest.approx((2.0, 0.25, 0.6, 1))
+
+
+def test_chat_prompts_are_handed_out_in_slices_no_earlier_one_sent(sweep: ModuleType,
+                                                                  tmp_path: Path) -> None:
+    rows = [json.dumps({"prompt": f"question {i}"}) for i in range(10)]
+    slices = sweep.PromptSlices(rows, seed=3)
+    assert sorted(slices.rows) == sorted(rows) and slices.rows != rows  # one seeded order
+    assert sweep.PromptSlices(rows, seed=3).rows == slices.rows
+    warm, first, second = slices.take(2), slices.take(3), slices.take(4)
+    assert len(set(warm + first + second)) == 9 and not slices.wrapped
+    again = slices.take(3)  # one left, then from the start
+    assert again == [slices.rows[9], *slices.rows[:2]] and slices.wrapped
+    path = sweep.PromptSlices(rows).write(2, tmp_path / "a.jsonl", aiperf=True)
+    written = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [set(r) for r in written] == [{"text"}, {"text"}]
+    assert all(r["text"].startswith("question ") for r in written)
+    as_is = sweep.PromptSlices(rows).write(2, tmp_path / "v.jsonl").read_text().splitlines()
+    assert as_is == sweep.PromptSlices(rows).rows[:2]
+    with pytest.raises(ValueError, match="no prompts"):
+        sweep.PromptSlices([])
+
+
+def test_the_shipped_chat_prompts_give_a_sweep_of_one_round_no_repeats(sweep: ModuleType) -> None:
+    # warm-up 32, then 32 / 32 / 64 requests at concurrency 1 / 8 / 32: 160 distinct prompts
+    slices = sweep.PromptSlices.of_dataset()
+    sent = [row for n in (32, 32, 32, 64) for row in slices.take(n)]
+    assert len(set(sent)) == len(sent) == 160 and not slices.wrapped
+    assert all("prompt" in json.loads(row) for row in slices.rows)
