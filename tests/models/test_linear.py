@@ -57,6 +57,36 @@ def test_prompt_sized_calls_compute_on_amx_on_the_amx_path(ops):
     assert ops.linear_amx() == (chosen is not None and chosen.name == "amx")
 
 
+AFTER_ONEDNN = """
+import torch
+from python_backends.models import kernels
+from python_backends.models.greedy_head import GreedyHead
+kernels.load()
+ops = torch.ops.llm_kernels
+ops.set_idle_helper(False)  # every chunk on this thread, the one oneDNN releases the tiles of
+g = torch.Generator().manual_seed(0)
+w = torch.randn(300, 576, generator=g)
+x = torch.randn(64, 576, generator=g)
+packed, head = ops.pack_linear_weight(w), GreedyHead.build(w)
+before = (ops.linear(x, packed, 300), head.tokens(x[:4]))
+a = torch.randn(256, 256, dtype=torch.bfloat16)
+(a @ a).sum().item()  # oneDNN's AMX kernel, which ends with TILERELEASE
+after = (ops.linear(x, packed, 300), head.tokens(x[:4]))
+print(torch.equal(before[0], after[0]) and torch.equal(before[1], after[1]))
+"""
+
+
+def test_tiles_still_compute_after_another_library_released_them(ops):
+    """torch's bfloat16 matmul (oneDNN on AMX) releases the thread's tiles; the next call of
+    ours must configure them again, not fault (SIGILL, in a child so the suite survives)."""
+    if not ops.linear_amx():
+        pytest.skip("this CPU (or the capped path) has no AMX tiles")
+    out = subprocess.run([sys.executable, "-c", AFTER_ONEDNN], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "True"
+
+
 @pytest.mark.parametrize("rows", [9, AMX_ROWS + 3, 600])
 def test_results_do_not_depend_on_who_computed_them(ops, helper, rows):
     """Chunks are computed by the caller or the helper with the same code: bit for bit equal,

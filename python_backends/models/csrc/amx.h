@@ -50,10 +50,11 @@ inline bool available() {
   return ok;
 }
 
-// Every tile 16 rows of 64 bytes; loaded once per thread (the kernel saves it with the thread).
-inline void configure_thread() {
-  thread_local bool configured = false;
-  if (configured) return;
+// Every tile 16 rows of 64 bytes, loaded at the start of every chunk of work. Not once per
+// thread: other libraries' AMX kernels in the same thread (oneDNN's, under torch's bfloat16
+// matmul) end with TILERELEASE, which returns the tiles to their initial state, where the next
+// tile load faults (SIGILL). Loading the configuration costs tens of cycles; a chunk, microseconds.
+inline void configure() {
   struct alignas(64) {
     uint8_t palette = 1, start_row = 0, reserved[14] = {};
     uint16_t colsb[16] = {};
@@ -64,7 +65,6 @@ inline void configure_thread() {
     config.rows[t] = RT;
   }
   _tile_loadconfig(&config);
-  configured = true;
 }
 
 // The pieces of 16 floats, each with its low 16 bits zero (a bfloat16 in the high half).

@@ -677,7 +677,7 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n,
     const uint64_t call = ++calls;
     const int64_t B = block_rows, end = row_blocks * P, Kp = rb.Kp;  // end: panels of all blocks
     compute = [=](int64_t t0, int64_t p0, int64_t p1, float* dst, int64_t ld) {
-      llm::amx::configure_thread();
+      llm::amx::configure();
       thread_local SplitPanels split;
       split.reserve(llm::amx::kPieces * 2 * Kp * 16);
       const int64_t rows = std::min(B, T - t0), Tp = (rows + 15) / 16 * 16;
@@ -907,7 +907,7 @@ at::Tensor screen_linear(const at::Tensor& x_in, const at::Tensor& packed, int64
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.const_data_ptr<int16_t>());
   const int64_t B = rb.block_rows, per_piece = packed.size(1);
   PanelsFn compute = [=](int64_t t0, int64_t p0, int64_t p1, float* dst, int64_t ld) {
-    llm::amx::configure_thread();
+    llm::amx::configure();
     const int64_t rows = std::min(B, T - t0), Tp = (rows + 15) / 16 * 16;
     for (int64_t p = p0; p < p1; ++p)
       llm::amx::panel_product<1>(rb.a + t0 * rb.piece_row, rows, Tp, Kp, wp + p * per_piece,
