@@ -49,6 +49,7 @@ from python_backends.parallel.layers import (
     ParallelLMHead,
     RowParallelLinear,
     VocabParallelEmbedding,
+    pass_seconds,
     plain_reads_faster,
     shard_size,
 )
@@ -200,6 +201,33 @@ def _narrower_form(linear: Linear) -> str:
     return "as " + {"": "float32", "q4": "4-bit GGUF blocks", "u8g32": "5-bit GGUF blocks",
                     "u8g16": "Q6_K blocks", "q8": "Q8_0 blocks", "bf16": "bfloat16",
                     "f16": "float16"}[linear.native_kind]
+
+
+UNPACK_TIMING_ROWS = 32  # a decode step's rows at concurrency 32 with drafts, below AMX's
+
+
+def unpacked_reads_faster(linears: list[Linear], margin: float = 0.95,
+                          rounds: int = 3) -> tuple[bool, float, float]:
+    """Whether steps of more rows than a tile compute faster from the blocks, each panel unpacked
+    once for every row tile (csrc/linear.cpp, unpacked_panels), than from the float32 panels:
+    (at most `margin` of the time, the two best times in seconds). Which is faster depends on how
+    fast a core reads memory against its arithmetic, not on its instruction set (docs/engines.md,
+    "Weights read in an exact narrower form"), so it is measured: every projection with a
+    narrower form once at UNPACK_TIMING_ROWS rows on the engine thread alone, the two ways in
+    turn `rounds` times (a burst of another process's work then slows both alike)."""
+    ops = torch.ops.llm_kernels
+    before = ops.set_unpack_rows(0)
+    best = {False: float("inf"), True: float("inf")}
+    try:
+        with kernels.helper_off():
+            for _ in range(rounds):
+                for unpacked in (False, True):
+                    ops.set_unpack_rows(1 << 30 if unpacked else 0)
+                    best[unpacked] = min(best[unpacked],
+                                         pass_seconds(linears, UNPACK_TIMING_ROWS, repeats=1))
+    finally:
+        ops.set_unpack_rows(before)
+    return best[True] <= margin * best[False], best[True], best[False]
 
 
 class DecoderModel(nn.Module):
@@ -375,6 +403,14 @@ class CausalLM(nn.Module):
                 log.warning("%d projections read float32 only: their narrower forms would "
                             "have passed a quarter of the memory available at load (%d MiB)",
                             budget.refused, (budget.available or 0) >> 20)
+            narrow = [m for m in linears if m.native_blocks is not None]
+            if narrow:
+                faster, unpacked_s, panels_s = unpacked_reads_faster(narrow)
+                torch.ops.llm_kernels.set_unpack_rows(1 << 30 if faster else 0)
+                log.info("%d rows through the projections with narrower forms: from the float32 "
+                         "panels %.1f ms, those forms unpacked %.1f ms: steps of more than a "
+                         "tile's rows read the %s", UNPACK_TIMING_ROWS, 1e3 * panels_s,
+                         1e3 * unpacked_s, "narrower forms" if faster else "float32 panels")
             forms = Counter(_narrower_form(m) for m in linears)
             log.info("projections: native float32 kernel on the engine thread and an idle-CPU "
                      "helper, read in steps of few rows %s (kernels.NativeLinear.blocks); greedy "

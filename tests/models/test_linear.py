@@ -233,16 +233,35 @@ def test_packs_into_memory_the_caller_gives(ops):
     torch.testing.assert_close(kernel.op(torch.eye(64), packed, 100, None, ""), w.T)
 
 
-# Weights made of Q4_1 blocks (models/weight_blocks.py): calls of up to 12 rows (one tile) read
-# the blocks, more the float32 panels.
+# Weights made of GGUF blocks (models/weight_blocks.py): calls of up to 12 rows (one tile) read
+# the blocks; more rows the float32 panels, or the blocks each panel unpacked once for every row
+# tile (`unpack`: set_unpack_rows), row tiles partial and panels partial; from AMX_ROWS on AMX
+# tiles where the CPU has them.
 BLOCK_SHAPES = [(1, 64, 96), (3, 576, 960), (12, 576, 7), (5, 1536, 576), (13, 576, 100),
-                (40, 64, 33)]
+                (25, 576, 70), (40, 64, 33), (47, 1536, 40)]
+
+
+@pytest.fixture(params=[False, True], ids=["panels", "unpacked"])
+def unpack(ops, request):
+    before = ops.set_unpack_rows(1 << 30 if request.param else 0)
+    yield request.param
+    ops.set_unpack_rows(before)
+
+
+def test_unpack_rows_is_set_and_read_back(ops):
+    before = ops.set_unpack_rows(40)
+    try:
+        assert ops.set_unpack_rows(7) == 40
+        with pytest.raises(RuntimeError, match="at least 0"):
+            ops.set_unpack_rows(-1)
+    finally:
+        ops.set_unpack_rows(before)
 
 
 @pytest.mark.parametrize("gguf", list(READ_AS))
 @pytest.mark.parametrize(("rows", "k", "n"), BLOCK_SHAPES)
-def test_calls_reading_the_blocks_equal_the_float_panels_bit_for_bit(ops, helper, rows, k, n,
-                                                                      gguf):
+def test_calls_reading_the_blocks_equal_the_float_panels_bit_for_bit(ops, helper, unpack, rows,
+                                                                      k, n, gguf):
     w = gguf_of(gguf, n, k, seed=rows)  # K-quants: k in whole super-blocks of 256
     k = w.shape[1]
     found = first_found(w)
@@ -260,8 +279,8 @@ def test_calls_reading_the_blocks_equal_the_float_panels_bit_for_bit(ops, helper
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("rows", "k", "n"), BLOCK_SHAPES)
-def test_calls_reading_16_bit_weights_equal_the_float_panels_bit_for_bit(ops, helper, rows, k, n,
-                                                                         dtype):
+def test_calls_reading_16_bit_weights_equal_the_float_panels_bit_for_bit(ops, helper, unpack,
+                                                                         rows, k, n, dtype):
     """A float32 weight that is 16-bit floats widened (a bfloat16 or float16 checkpoint)."""
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(n)).to(dtype).float()
     w[0, :3] = torch.tensor([0.0, -0.0, 1e-5]).to(dtype).float()  # zeros, a float16 subnormal

@@ -172,7 +172,8 @@ def test_an_engine_reads_weights_in_their_narrower_form_and_matches_hf(
     """A float32 engine of a checkpoint whose projections are Q4_K blocks, bfloat16 or float16
     values: it finds every projection's narrower form (the LM head's too), and greedy output
     equals Hugging Face's on those weights, one sequence (steps that read the narrower form)
-    and several (those and the float32 panels by turns)."""
+    and several (those and larger steps by turns), larger steps read from the float32 panels
+    and from the narrower forms unpacked."""
     def narrower(hf: torch.nn.Module) -> None:
         with torch.no_grad():
             for i, m in enumerate(hf.modules()):
@@ -188,12 +189,20 @@ def test_an_engine_reads_weights_in_their_narrower_form_and_matches_hf(
         torch.set_num_threads(threads)
     linears = [m for m in engine.runner.model.modules() if isinstance(m, Linear)]
     assert linears and all(m.native_blocks is not None for m in linears)
-    for batch in (prompts(1), prompts(4, seed=2)):
-        seqs = [engine.add_request(f"s{i}-{len(batch)}", p, SamplingParams(max_tokens=6))
-                for i, p in enumerate(batch)]
-        while engine.has_unfinished:
-            engine.step()
-        assert [s.output_ids for s in seqs] == [tiny.greedy(p, 6) for p in batch]
+    ops = torch.ops.llm_kernels
+    measured = ops.set_unpack_rows(0)  # steps past a tile's rows: the float32 panels, then
+    try:                                # the narrower forms unpacked
+        for unpack in (0, 1 << 30):
+            ops.set_unpack_rows(unpack)
+            for batch in (prompts(1), prompts(4, seed=2)):
+                seqs = [engine.add_request(f"s{i}-{len(batch)}-{unpack}", p,
+                                           SamplingParams(max_tokens=6))
+                        for i, p in enumerate(batch)]
+                while engine.has_unfinished:
+                    engine.step()
+                assert [s.output_ids for s in seqs] == [tiny.greedy(p, 6) for p in batch]
+    finally:
+        ops.set_unpack_rows(measured)
 
 
 def test_narrower_forms_stop_at_a_quarter_of_the_memory_available() -> None:

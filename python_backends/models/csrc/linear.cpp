@@ -311,6 +311,55 @@ void block_panels(const float* x, int64_t T, int64_t K, const uint8_t* packed, i
                        std::make_integer_sequence<int64_t, kBlockRows>{});
 }
 
+// A panel's float32 weights [K][NR] from its blocks: the float32 panel's values exactly
+// (pack_blocks and pack_halves checked each with this same arithmetic).
+template <class F>
+void unpack_panel(const uint8_t* panel, int64_t K, float* out) {
+  const F format{K};
+  for (int64_t b = 0; b < K / F::kGroup; ++b) {
+    const typename F::Scales s = format.block(panel, b);
+    for (int64_t k = b * F::kGroup; k < (b + 1) * F::kGroup; ++k) {
+      vec w0, w1;
+      format.at(panel, k, s, w0, w1);
+      store(out + k * NR, w0);
+      store(out + k * NR + VL, w1);
+    }
+  }
+}
+
+// panels() for calls of more rows than a tile, reading the blocks: each panel is unpacked once
+// into a scratch that stays in cache while every row tile passes over it. From the float32
+// panels the first row tile streams the weights from memory with only a tile's rows of
+// arithmetic for each, which bounds it on cores that read memory slowly; the blocks are a
+// fifth to a half of the bytes. The same products in the same order as panels(): bit for bit
+// its results.
+template <class F>
+void unpacked_panels(const float* x, int64_t T, int64_t K, const uint8_t* packed, int64_t n,
+                     int64_t p0, int64_t p1, float* dst, int64_t ld) {
+  const int64_t bytes = F{K}.bytes();
+  thread_local std::vector<float> scratch;
+  scratch.resize(static_cast<size_t>(K * NR));
+  for (int64_t p = p0; p < p1; ++p) {
+    unpack_panel<F>(packed + p * bytes, K, scratch.data());
+    const int64_t cols = std::min(NR, n - p * NR);
+    for (int64_t t = 0; t < T; t += MR)
+      tile_rows(std::min(MR, T - t), x + t * K, K, scratch.data(), dst + t * ld + (p - p0) * NR,
+                ld, cols, std::make_integer_sequence<int64_t, MR>{});
+  }
+}
+
+// Calls of more than kBlockRows and at most this many rows read the blocks through
+// unpacked_panels (0: none). Engines measure which is faster at load and set it
+// (models/decoder.py, unpacked_reads_faster): the unpacking costs arithmetic that a core which
+// streams memory fast does not win back (the 2-core AMD EPYC of docs/engines.md: 0.84-0.99x at
+// 16-48 rows), and wins where it reads memory slowly (the 2-core AMX Xeon there: 1.1-1.25x).
+std::atomic<int64_t> unpack_rows{0};
+
+int64_t set_unpack_rows(int64_t rows) {
+  TORCH_CHECK(rows >= 0, "set_unpack_rows: rows must be at least 0, got ", rows);
+  return unpack_rows.exchange(rows);
+}
+
 // How many panels one chunk of work holds: about kChunkSeconds of it, by the time a panel takes
 // to stream from memory or to compute, whichever is longer (rough rates of one core).
 int64_t panels_per_chunk(int64_t T, int64_t K, int64_t weight_bytes, double flops_per_s) {
@@ -537,7 +586,8 @@ at::Tensor pack_halves(const at::Tensor& weight_in) {
 using BlockPanels = void (*)(const float*, int64_t, int64_t, const uint8_t*, int64_t, int64_t,
                              int64_t, float*, int64_t);
 struct Layout {
-  BlockPanels run = nullptr;
+  BlockPanels run = nullptr;      // at most kBlockRows rows
+  BlockPanels unpacked = nullptr;  // more
   int64_t bytes = 0;  // a panel's
   int64_t group = 0;  // inputs per d (and m)
   bool offset = false;  // has m
@@ -545,7 +595,7 @@ struct Layout {
 
 template <class F>
 Layout layout(int64_t K, bool offset) {
-  return {block_panels<F>, F{K}.bytes(), F::kGroup, offset};
+  return {block_panels<F>, unpacked_panels<F>, F{K}.bytes(), F::kGroup, offset};
 }
 
 Layout layout_of(const std::string& kind, int64_t K) {
@@ -653,7 +703,8 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n,
   };
   double flops_per_s = 100e9;
   int64_t weight_bytes = sizeof(float);
-  if (blocks.has_value() && blocks->numel() > 0 && T <= kBlockRows) {
+  if (blocks.has_value() && blocks->numel() > 0 &&
+      (T <= kBlockRows || T <= unpack_rows.load(std::memory_order_relaxed))) {
     const Layout l = layout_of(kind, K);
     TORCH_CHECK(K % l.group == 0 && blocks->dim() == 2 && blocks->is_contiguous() &&
                     blocks->size(0) == P && blocks->size(1) * blocks->element_size() == l.bytes,
@@ -662,7 +713,8 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n,
     const auto* bp = reinterpret_cast<const uint8_t*>(blocks->const_data_ptr());
     keep.push_back(*blocks);
     weight_bytes = 2;  // a fifth to a half of the bytes, but widened: about half the time
-    compute = [=, run = l.run](int64_t, int64_t p0, int64_t p1, float* dst, int64_t ld) {
+    compute = [=, run = T <= kBlockRows ? l.run : l.unpacked](int64_t, int64_t p0, int64_t p1,
+                                                               float* dst, int64_t ld) {
       run(xp, T, K, bp, n, p0, p1, dst, ld);
     };
   }
@@ -1016,6 +1068,7 @@ at::Tensor candidate_argmax(const at::Tensor& x_in, const at::Tensor& w_in, cons
 TORCH_LIBRARY_FRAGMENT(llm_kernels, m) {
   m.def("linear_amx() -> bool", &linear_amx);
   m.def("fma_peak(int iterations) -> float", &fma_peak);
+  m.def("set_unpack_rows(int rows) -> int", &set_unpack_rows);
   m.def("screen_path() -> str", &screen_path);
   m.def("pack_linear_weight(Tensor weight) -> Tensor", &pack_linear_weight);
   m.def("pack_blocks(Tensor weight, Tensor q, Tensor d, Tensor? m, str kind) -> Tensor",
