@@ -49,6 +49,7 @@ from python_backends.parallel.layers import (
     ParallelLMHead,
     RowParallelLinear,
     VocabParallelEmbedding,
+    best_in_turn,
     pass_seconds,
     plain_reads_faster,
     shard_size,
@@ -204,6 +205,7 @@ def _narrower_form(linear: Linear) -> str:
 
 
 UNPACK_TIMING_ROWS = 32  # a decode step's rows at concurrency 32 with drafts, below AMX's
+UNPACK_ALL = 1 << 30  # set_unpack_rows: every call past a tile's rows
 
 
 def unpacked_reads_faster(linears: list[Linear], margin: float = 0.95,
@@ -214,20 +216,22 @@ def unpacked_reads_faster(linears: list[Linear], margin: float = 0.95,
     fast a core reads memory against its arithmetic, not on its instruction set (docs/engines.md,
     "Weights read in an exact narrower form"), so it is measured: every projection with a
     narrower form once at UNPACK_TIMING_ROWS rows on the engine thread alone, the two ways in
-    turn `rounds` times (a burst of another process's work then slows both alike)."""
+    turn (layers.best_in_turn)."""
     ops = torch.ops.llm_kernels
+
+    def timed(rows: int) -> Callable[[], float]:
+        def run() -> float:
+            ops.set_unpack_rows(rows)
+            return pass_seconds(linears, UNPACK_TIMING_ROWS, repeats=1)
+        return run
+
     before = ops.set_unpack_rows(0)
-    best = {False: float("inf"), True: float("inf")}
     try:
         with kernels.helper_off():
-            for _ in range(rounds):
-                for unpacked in (False, True):
-                    ops.set_unpack_rows(1 << 30 if unpacked else 0)
-                    best[unpacked] = min(best[unpacked],
-                                         pass_seconds(linears, UNPACK_TIMING_ROWS, repeats=1))
+            panels, unpacked = best_in_turn(timed(0), timed(UNPACK_ALL), rounds)
     finally:
         ops.set_unpack_rows(before)
-    return best[True] <= margin * best[False], best[True], best[False]
+    return unpacked <= margin * panels, unpacked, panels
 
 
 class DecoderModel(nn.Module):
@@ -406,7 +410,7 @@ class CausalLM(nn.Module):
             narrow = [m for m in linears if m.native_blocks is not None]
             if narrow:
                 faster, unpacked_s, panels_s = unpacked_reads_faster(narrow)
-                torch.ops.llm_kernels.set_unpack_rows(1 << 30 if faster else 0)
+                torch.ops.llm_kernels.set_unpack_rows(UNPACK_ALL if faster else 0)
                 log.info("%d rows through the projections with narrower forms: from the float32 "
                          "panels %.1f ms, those forms unpacked %.1f ms: steps of more than a "
                          "tile's rows read the %s", UNPACK_TIMING_ROWS, 1e3 * panels_s,

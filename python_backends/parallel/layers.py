@@ -187,16 +187,25 @@ def one_token_seconds(linears: list[Linear], plain: bool, repeats: int = 3) -> f
     return pass_seconds(linears, 1, repeats, _by_plain if plain else _by_packed)
 
 
+def best_in_turn(first: Callable[[], float], second: Callable[[], float],
+                 rounds: int) -> tuple[float, float]:
+    """The best of `rounds` timings of each of two ways, timed in turn: a server loads its models
+    at once, and a burst of another stub's work then slows both ways' best times alike instead
+    of one."""
+    best = [float("inf"), float("inf")]
+    for _ in range(rounds):
+        for i, timed in enumerate((first, second)):
+            best[i] = min(best[i], timed())
+    return best[0], best[1]
+
+
 def plain_reads_faster(linears: list[Linear], margin: float = 0.95,
                        rounds: int = 4) -> tuple[bool, float, float]:
     """Whether one token through `linears` by their plain weights takes at most `margin` of the
-    time by their packed ones (worth a second copy), with both best times in seconds. The two
-    are timed in turn, `rounds` times each: a server loads its models at once, and a burst of
-    another stub's work then slows both kernels' best times alike instead of one."""
-    plain = packed = float("inf")
-    for _ in range(rounds):
-        plain = min(plain, one_token_seconds(linears, True, repeats=1))
-        packed = min(packed, one_token_seconds(linears, False, repeats=1))
+    time by their packed ones (worth a second copy), with both best times in seconds, the two
+    timed in turn (best_in_turn)."""
+    plain, packed = best_in_turn(lambda: one_token_seconds(linears, True, repeats=1),
+                                 lambda: one_token_seconds(linears, False, repeats=1), rounds)
     return plain <= margin * packed, plain, packed
 
 
