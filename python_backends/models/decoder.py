@@ -32,7 +32,7 @@ from torch import nn
 from python_backends import procfs
 from python_backends.config import ModelConfig, RopeScaling
 from python_backends.host_memory import huge_page_empty
-from python_backends.models import kernels
+from python_backends.models import kernels, weight_blocks
 from python_backends.models.attention import AttentionMetadata, paged_attention, write_kv
 from python_backends.models.common import (
     RMSNorm,
@@ -216,7 +216,8 @@ def unpacked_reads_faster(linears: list[Linear], margin: float = 0.95,
     fast a core reads memory against its arithmetic, not on its instruction set (docs/engines.md,
     "Weights read in an exact narrower form"), so it is measured: every projection with a
     narrower form once at UNPACK_TIMING_ROWS rows on the engine thread alone, the two ways in
-    turn (layers.best_in_turn)."""
+    turn (layers.best_in_turn). AMX's levels are switched off meanwhile: where they compute
+    those rows (set_amx_levels), neither way is read, and the choice is for the rest."""
     ops = torch.ops.llm_kernels
 
     def timed(rows: int) -> Callable[[], float]:
@@ -225,12 +226,13 @@ def unpacked_reads_faster(linears: list[Linear], margin: float = 0.95,
             return pass_seconds(linears, UNPACK_TIMING_ROWS, repeats=1)
         return run
 
-    before = ops.set_unpack_rows(0)
+    before, levels = ops.set_unpack_rows(0), ops.set_amx_levels(False)
     try:
         with kernels.helper_off():
             panels, unpacked = best_in_turn(timed(0), timed(UNPACK_ALL), rounds)
     finally:
         ops.set_unpack_rows(before)
+        ops.set_amx_levels(levels)
     return unpacked <= margin * panels, unpacked, panels
 
 
@@ -415,6 +417,10 @@ class CausalLM(nn.Module):
                          "panels %.1f ms, those forms unpacked %.1f ms: steps of more than a "
                          "tile's rows read the %s", UNPACK_TIMING_ROWS, 1e3 * panels_s,
                          1e3 * unpacked_s, "narrower forms" if faster else "float32 panels")
+            on_tiles = sum(m.native_kind in weight_blocks.AMX_LEVELS for m in linears)
+            if on_tiles and torch.ops.llm_kernels.linear_amx():
+                log.info("%d projections compute steps of 13 to 128 rows from their GGUF levels "
+                         "on AMX tiles", on_tiles)
             forms = Counter(_narrower_form(m) for m in linears)
             log.info("projections: native float32 kernel on the engine thread and an idle-CPU "
                      "helper, read in steps of few rows %s (kernels.NativeLinear.blocks); greedy "

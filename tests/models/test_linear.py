@@ -243,9 +243,21 @@ BLOCK_SHAPES = [(1, 64, 96), (3, 576, 960), (12, 576, 7), (5, 1536, 576), (13, 5
 
 @pytest.fixture(params=[False, True], ids=["panels", "unpacked"])
 def unpack(ops, request):
+    """Calls past a tile's rows from the float32 panels or the narrower forms unpacked, with
+    AMX's levels (which compute in another order) switched off."""
     before = ops.set_unpack_rows(1 << 30 if request.param else 0)
+    levels = ops.set_amx_levels(False)
     yield request.param
     ops.set_unpack_rows(before)
+    ops.set_amx_levels(levels)
+
+
+@pytest.fixture
+def amx_levels(ops):
+    """Calls of 13 to 128 rows from a weight's levels on AMX tiles (the default)."""
+    before = ops.set_amx_levels(True)
+    yield
+    ops.set_amx_levels(before)
 
 
 def test_unpack_rows_is_set_and_read_back(ops):
@@ -275,6 +287,52 @@ def test_calls_reading_the_blocks_equal_the_float_panels_bit_for_bit(ops, helper
     error = (ops.linear(x, packed, n, blocks, found.kind).double()
              - x.double() @ w.double().T).abs()
     assert (error <= k * 2**-24 * (x.double().abs() @ w.double().abs().T)).all()
+
+
+# Calls of 13 to 128 rows on AMX tiles from the levels (csrc/amx.h, level_product): partial row
+# tiles, one and two row tiles a pass, partial panels, the largest such call; 129 rows and more
+# split the float32 panels instead.
+LEVEL_SHAPES = [(13, 576, 100), (16, 64, 33), (25, 1536, 70), (47, 576, 960), (100, 64, 40),
+                (128, 576, 96), (129, 576, 64)]
+
+
+@pytest.mark.parametrize("gguf", ["Q4_1", "Q4_K", "Q5_1", "Q8_0"])
+@pytest.mark.parametrize(("rows", "k", "n"), LEVEL_SHAPES)
+def test_calls_from_the_levels_stay_within_float32_error(ops, helper, amx_levels, rows, k, n,
+                                                          gguf):
+    """x W^T as d (x . q) + m (sum of x) per block: every product exact and every sum float32,
+    so within float32 summation's bound of the float64 product, taken over the block's terms
+    (|d q| and |m| apart: they may cancel in w); and bit for bit the same whoever computes which
+    chunk."""
+    w = gguf_of(gguf, n, k, seed=rows)
+    k = w.shape[1]
+    found = first_found(w)
+    assert found is not None and found.kind == READ_AS[gguf]
+    blocks = ops.pack_blocks(w, found.q, found.d, found.m, found.kind)
+    packed = ops.pack_linear_weight(w)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    got = ops.linear(x, packed, n, blocks, found.kind)
+    group = k // found.d.shape[1]
+    terms = (found.q.double() * found.d.double().repeat_interleave(group, 1)).abs()
+    if found.m is not None:
+        terms += found.m.double().abs().repeat_interleave(group, 1)
+    error = (got.double() - x.double() @ w.double().T).abs()
+    assert (error <= k * 2**-24 * (x.double().abs() @ terms.T)).all()
+    ops.set_idle_helper(False)
+    alone = ops.linear(x, packed, n, blocks, found.kind)
+    ops.set_idle_helper(True)
+    assert torch.equal(alone, got)
+    # On AMX these rows took the levels' path: another order of sums than the float32 panels.
+    assert torch.equal(got, ops.linear(x, packed, n)) is not (ops.linear_amx() and rows <= 128)
+
+
+def test_amx_levels_switch_is_set_and_read_back(ops):
+    before = ops.set_amx_levels(False)
+    try:
+        assert ops.set_amx_levels(True) is False
+        assert ops.set_amx_levels(False) is ops.linear_amx()  # without AMX it stays off
+    finally:
+        ops.set_amx_levels(before)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

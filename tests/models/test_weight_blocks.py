@@ -190,12 +190,15 @@ def test_an_engine_reads_weights_in_their_narrower_form_and_matches_hf(
     linears = [m for m in engine.runner.model.modules() if isinstance(m, Linear)]
     assert linears and all(m.native_blocks is not None for m in linears)
     ops = torch.ops.llm_kernels
-    measured = ops.set_unpack_rows(0)  # steps past a tile's rows: the float32 panels, then
-    try:                                # the narrower forms unpacked
-        for unpack in (0, 1 << 30):
+    # Steps past a tile's rows: the float32 panels, the narrower forms unpacked, and (the
+    # default; on AMX, for the GGUF blocks) their levels on tiles.
+    measured, levels = ops.set_unpack_rows(0), ops.set_amx_levels(False)
+    try:
+        for unpack, on_tiles in ((0, False), (1 << 30, False), (0, True)):
             ops.set_unpack_rows(unpack)
+            ops.set_amx_levels(on_tiles)
             for batch in (prompts(1), prompts(4, seed=2)):
-                seqs = [engine.add_request(f"s{i}-{len(batch)}-{unpack}", p,
+                seqs = [engine.add_request(f"s{i}-{len(batch)}-{unpack}-{on_tiles}", p,
                                            SamplingParams(max_tokens=6))
                         for i, p in enumerate(batch)]
                 while engine.has_unfinished:
@@ -203,6 +206,7 @@ def test_an_engine_reads_weights_in_their_narrower_form_and_matches_hf(
                 assert [s.output_ids for s in seqs] == [tiny.greedy(p, 6) for p in batch]
     finally:
         ops.set_unpack_rows(measured)
+        ops.set_amx_levels(levels)
 
 
 def test_narrower_forms_stop_at_a_quarter_of_the_memory_available() -> None:
@@ -261,7 +265,9 @@ def test_an_engine_of_a_q5_1_gguf_reads_its_blocks_and_matches_hf(tmp_path: Path
         torch.set_num_threads(threads)
     layers = [m for m in engine.runner.model.model.layers.modules() if isinstance(m, Linear)]
     assert layers and {m.native_kind for m in layers} == {"u8g32"}
-    for text in ("The capital of France is", "def fibonacci(n):"):
+    for text in ("The capital of France is", "def fibonacci(n):",  # the last, prompt rows on
+                 "The old lighthouse keeper found a message in a bottle on the rocks below "
+                 "his tower one morning, and when he opened it he read"):  # AMX from the levels
         ids = tokenizer(text)["input_ids"]
         seq = engine.add_request(text, ids, SamplingParams(max_tokens=12))
         while engine.has_unfinished:

@@ -9,9 +9,10 @@
 // where the bracket is below 2^-23 of |a b|: float32's own rounding. Six bfloat16 products per
 // float32 product, each exact in float32, summed in float32 by the tiles: the same precision as
 // the AVX-512 kernel (tests/models/test_linear.py holds both to float64 references).
-// Below 48 tokens (linear.cpp's kAmxRows) calls stay on the AVX-512 kernel: they are bound by
-// reading the weights, which the split does not shorten, and splitting them costs as much as the
-// products.
+// Below 48 tokens (linear.cpp's kAmxRows) calls of float32 weights stay on the AVX-512 kernel:
+// they are bound by reading the weights, which the split does not shorten, and splitting them
+// costs as much as the products. Weights that are GGUF blocks compute from their integer levels
+// instead from 13 to 128 tokens (level_product below): three products, not six, and no split.
 //
 // The weights stay float32 (linear.cpp's panels). A thread splits the panel after the one it
 // computes between that one's tile products (the vector units split while the tiles multiply),
@@ -139,10 +140,10 @@ struct PanelSplit {
 // Tiles: 4 accumulators (2 row tiles x 2 column tiles), 2 row operands, 2 column operands.
 // Pieces 1: the first pieces' product alone, x0 . w0 (b holds w's first pieces only): a
 // screening estimate within bounds the caller computes (linear.cpp's screen_linear).
-template <int Pieces = kPieces>
+template <int Pieces = kPieces, class Next = PanelSplit>
 inline void panel_product(const uint16_t* a, int64_t T, int64_t Tp, int64_t Kp,
                           const uint16_t* b, float* dst, int64_t ld, int64_t cols,
-                          const PanelSplit& next) {
+                          const Next& next) {
   const int64_t plane = Tp * Kp, per_piece = 2 * Kp * 16, kts = Kp / KT;
   const int64_t steps = (Tp + 2 * RT - 1) / (2 * RT) * kts;
   int64_t step = 0, split_to = 0;
@@ -195,6 +196,103 @@ inline void panel_product(const uint16_t* a, int64_t T, int64_t Tp, int64_t Kp,
       std::memcpy(dst + (t + r) * ld, edge[r], cols * sizeof(float));
   }
   next.rows(split_to, Kp);
+}
+
+// Weights that are small integer levels q with a scale d (and offset m) per 32 inputs of a
+// feature (GGUF blocks, linear.cpp's Q41, U8M<32>, Q80): over one block of 32 inputs
+//   x . w = d (x . q) + m (sum of x),
+// and q is exactly one bfloat16 (at most 8 significant bits), so x . q takes the three products of
+// x's pieces alone, against six for float32 weights, and no weight is split. The tiles cannot
+// apply d, which differs per block and feature: each block's products go to fresh accumulators,
+// stored and scaled on the vector units into float32 sums (the offsets' part, sums of x times m,
+// beside it). Every product is exact and every sum float32, as in panel_product; the order of
+// the additions differs, so results differ from the float32 panels' in float32 rounding only.
+//
+// b: the panel's levels in one piece of PanelSplit's layout ([2 column tiles][Kp / 32][16 pairs
+// of k][16 columns x 2]); d, m: [Kp / 32][32] float32 (m nullptr: no offsets); sums: [Tp][Kp /
+// 32] float32, each row's sum of x over each block. `next` prepares the following panel's levels
+// a slice at a time between the products, as in panel_product.
+template <class Next>
+inline void level_product(const uint16_t* a, int64_t T, int64_t Tp, int64_t Kp,
+                          const uint16_t* b, const float* d, const float* m, const float* sums,
+                          float* dst, int64_t ld, int64_t cols, const Next& next) {
+  const int64_t plane = Tp * Kp, kts = Kp / KT;
+  const int64_t steps = (Tp + 2 * RT - 1) / (2 * RT) * kts;
+  int64_t step = 0, split_to = 0;
+  alignas(64) float c[2 * RT][32];
+  alignas(64) float acc[2 * RT][32];
+  for (int64_t t = 0; t < Tp; t += 2 * RT) {
+    const bool two = t + RT < Tp;
+    const int64_t R = two ? 2 * RT : RT;
+    for (int64_t r = 0; r < R; ++r) {
+      _mm512_store_ps(acc[r], _mm512_setzero_ps());
+      _mm512_store_ps(acc[r] + 16, _mm512_setzero_ps());
+    }
+    const uint16_t* at = a + (t / RT) * (RT * Kp);
+    for (int64_t kt = 0; kt < kts; ++kt) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      const uint16_t* bp = b + kt * RT * 32;
+      _tile_loadd(6, bp, 64);
+      _tile_loadd(7, bp + Kp * 16, 64);
+      for (int pa = 0; pa < kPieces; ++pa) {
+        const uint16_t* ap = at + pa * plane + kt * (RT * KT);
+        _tile_loadd(4, ap, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (two) {
+          _tile_loadd(5, ap + RT * Kp, 64);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+      }
+      _tile_stored(0, &c[0][0], 32 * 4);
+      _tile_stored(1, &c[0][16], 32 * 4);
+      if (two) {
+        _tile_stored(2, &c[RT][0], 32 * 4);
+        _tile_stored(3, &c[RT][16], 32 * 4);
+      }
+      const __m512 d0 = _mm512_loadu_ps(d + kt * 32), d1 = _mm512_loadu_ps(d + kt * 32 + 16);
+      if (m != nullptr) {
+        const __m512 m0 = _mm512_loadu_ps(m + kt * 32), m1 = _mm512_loadu_ps(m + kt * 32 + 16);
+        for (int64_t r = 0; r < R; ++r) {
+          const __m512 sum = _mm512_set1_ps(sums[(t + r) * kts + kt]);
+          __m512 a0 = _mm512_fmadd_ps(_mm512_load_ps(c[r]), d0, _mm512_load_ps(acc[r]));
+          __m512 a1 = _mm512_fmadd_ps(_mm512_load_ps(c[r] + 16), d1, _mm512_load_ps(acc[r] + 16));
+          _mm512_store_ps(acc[r], _mm512_fmadd_ps(sum, m0, a0));
+          _mm512_store_ps(acc[r] + 16, _mm512_fmadd_ps(sum, m1, a1));
+        }
+      } else {
+        for (int64_t r = 0; r < R; ++r) {
+          _mm512_store_ps(acc[r], _mm512_fmadd_ps(_mm512_load_ps(c[r]), d0, _mm512_load_ps(acc[r])));
+          _mm512_store_ps(acc[r] + 16, _mm512_fmadd_ps(_mm512_load_ps(c[r] + 16), d1,
+                                                       _mm512_load_ps(acc[r] + 16)));
+        }
+      }
+      const int64_t upto = Kp * ++step / steps / 2 * 2;
+      next.rows(split_to, upto);
+      split_to = upto;
+    }
+    const int64_t rows = std::min<int64_t>(R, T - t);
+    for (int64_t r = 0; r < rows; ++r) std::memcpy(dst + (t + r) * ld, acc[r], cols * sizeof(float));
+  }
+  next.rows(split_to, Kp);
+}
+
+// Each row's sum over every block of 32 inputs: x [T, K] (K a multiple of 32) -> out [Tp][K / 32],
+// rows from T to Tp zero.
+inline void block_sums(const float* x, int64_t T, int64_t K, float* out, int64_t Tp) {
+  const int64_t kts = K / KT;
+  for (int64_t t = 0; t < Tp; ++t) {
+    for (int64_t kt = 0; kt < kts; ++kt) {
+      out[t * kts + kt] = t < T ? _mm512_reduce_add_ps(_mm512_add_ps(
+                                      _mm512_loadu_ps(x + t * K + kt * KT),
+                                      _mm512_loadu_ps(x + t * K + kt * KT + 16)))
+                                : 0.f;
+    }
+  }
 }
 
 }  // namespace llm::amx

@@ -6,7 +6,9 @@
 // ascending; results differ from MKL's only in rounding. From kAmxRows tokens on, on CPUs with
 // AMX, the same products run on AMX tiles (amx.h) to the same precision. A weight that is exact
 // GGUF blocks (models/weight_blocks.py) or 16-bit floats is packed as such too, and calls of few
-// rows, bound by reading the weight, read those instead: the same float32 values.
+// rows, bound by reading the weight, read those instead: the same float32 values. On AMX, calls
+// of 13 to 128 rows compute from the blocks' integer levels on tiles (amx.h, level_product): to
+// float32 precision, in another order of sums.
 //
 // The screens and screen_candidates serve greedy rows' LM head (models/greedy_head.py): an
 // estimate of every logit from rounded operands, and the tokens whose bounds reach the largest.
@@ -140,18 +142,22 @@ struct WithOffsets {
 // its low half and feature VL + i's in its high half, then d and m; w = d q + m. A fifth of the
 // float32 panel's bytes.
 struct Q41 : WithOffsets<kBlock, VL> {
-  // The NR weights of input k, of block s.
-  void at(const uint8_t* panel, int64_t k, const Scales& s, vec& w0, vec& w1) const {
+  // The NR levels q of input k, as floats.
+  void levels(const uint8_t* panel, int64_t k, vec& q0, vec& q1) const {
     const auto* q = reinterpret_cast<const __m128i*>(panel + k * kStride);
 #if defined(__AVX512F__)
     const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(q));
-    w0 = (vec)_mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
-    w1 = (vec)_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+    q0 = (vec)_mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
+    q1 = (vec)_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
 #else
     const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(q));
-    w0 = (vec)_mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
-    w1 = (vec)_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+    q0 = (vec)_mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
+    q1 = (vec)_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
 #endif
+  }
+  // The NR weights of input k, of block s.
+  void at(const uint8_t* panel, int64_t k, const Scales& s, vec& w0, vec& w1) const {
+    levels(panel, k, w0, w1);
     w0 = w0 * s.d0 + s.m0;
     w1 = w1 * s.d1 + s.m1;
   }
@@ -178,6 +184,10 @@ struct Q80 {
     const float* d = reinterpret_cast<const float*>(panel + scales_at()) + b * NR;
     return {load(d), load(d + VL)};
   }
+  void levels(const uint8_t* panel, int64_t k, vec& q0, vec& q1) const {
+    q0 = widen_bytes<true>(panel + k * kStride);
+    q1 = widen_bytes<true>(panel + k * kStride + VL);
+  }
   void at(const uint8_t* panel, int64_t k, const Scales& s, vec& w0, vec& w1) const {
     w0 = widen_bytes<true>(panel + k * kStride) * s.d0;
     w1 = widen_bytes<true>(panel + k * kStride + VL) * s.d1;
@@ -195,6 +205,10 @@ template <int64_t G>
 struct U8M : WithOffsets<G, NR> {
   using typename WithOffsets<G, NR>::Scales;
   using WithOffsets<G, NR>::kStride;
+  void levels(const uint8_t* panel, int64_t k, vec& q0, vec& q1) const {
+    q0 = widen_bytes<false>(panel + k * kStride);
+    q1 = widen_bytes<false>(panel + k * kStride + VL);
+  }
   void at(const uint8_t* panel, int64_t k, const Scales& s, vec& w0, vec& w1) const {
     w0 = widen_bytes<false>(panel + k * kStride) * s.d0 + s.m0;
     w1 = widen_bytes<false>(panel + k * kStride + VL) * s.d1 + s.m1;
@@ -355,6 +369,20 @@ void unpacked_panels(const float* x, int64_t T, int64_t K, const uint8_t* packed
 // 16-48 rows), and wins where it reads memory slowly (the 2-core AMX Xeon there: 1.1-1.25x).
 std::atomic<int64_t> unpack_rows{0};
 
+// Calls of more than kBlockRows rows whose weight has levels for tiles (Layout::expand) compute
+// from the levels on AMX (amx.h, level_product) rather than from the float32 panels.
+std::atomic<bool> amx_levels{true};
+
+// Sets that (where the build has AMX); returns the old value.
+bool set_amx_levels(bool enabled) {
+#ifdef LLM_AMX
+  return amx_levels.exchange(enabled);
+#else
+  (void)enabled;
+  return false;
+#endif
+}
+
 int64_t set_unpack_rows(int64_t rows) {
   TORCH_CHECK(rows >= 0, "set_unpack_rows: rows must be at least 0, got ", rows);
   return unpack_rows.exchange(rows);
@@ -396,6 +424,10 @@ double fma_peak(int64_t iterations) {
 
 // From this many tokens a call computes on AMX tiles (amx.h), where the CPU has them.
 constexpr int64_t kAmxRows = 48;
+// On AMX, calls of more than kBlockRows and at most this many rows compute from a weight's levels
+// where it has them (amx.h, level_product): their three products a block against six leave each
+// tile product twice the input tiles to load from L2, which bounds them in prompt-sized calls.
+constexpr int64_t kLevelRows = 128;
 // On AMX, the row pieces of one block of rows take at most this much (of a core's 2 MB of L2).
 constexpr int64_t kAmxBlockBytes = 1 << 20;
 
@@ -461,6 +493,63 @@ RowBlocks split_row_blocks(const float* x, int64_t T, int64_t K) {
     llm::amx::split_rows(x + t0 * K, rows, K, a + t0 * piece_row, (rows + 15) / 16 * 16, Kp);
   }
   return {Kp, piece_row, blocks, block_rows, pieces, a};
+}
+#endif
+
+// compute(t0, p0, p1, dst, ld): rows [t0, ...) of panels [p0, p1) of a call into dst.
+using PanelsFn = std::function<void(int64_t, int64_t, int64_t, float*, int64_t)>;
+
+// Inputs [k0, k1) (even) of a panel's levels q as AMX B operands (amx.h, level_product).
+using ExpandLevels = void (*)(const uint8_t*, int64_t, uint16_t*, int64_t, int64_t);
+
+#ifdef LLM_AMX
+// A panel's levels for amx.h's level_product, expanded a slice at a time like PanelSplit.
+struct LevelSplit {
+  ExpandLevels fill = nullptr;
+  const uint8_t* panel = nullptr;  // none: nothing to expand
+  int64_t K = 0;
+  uint16_t* out = nullptr;
+
+  void rows(int64_t k0, int64_t k1) const {
+    if (panel != nullptr) fill(panel, K, out, k0, std::min(k1, K));
+  }
+  void all() const { rows(0, K); }
+};
+
+// A call's chunks on AMX tiles: each thread computes its chunk's panels in the order it travels
+// (the helper takes chunks from the last down), numbered across row blocks (g = block * P +
+// panel), and prepares the next panel's B operands (`prepare(panel, buffer)`: a PanelSplit or a
+// LevelSplit) during the current one's products (`product`), also past the chunk's end: the
+// thread usually computes the neighbouring chunk next, and then finds its panel prepared.
+// per_panel: uint16 of B operands a panel.
+template <class Prepare, class Product>
+PanelsFn amx_panels(const RowBlocks& rb, int64_t T, int64_t P, int64_t n, int64_t per_panel,
+                    Prepare prepare, Product product) {
+  static std::atomic<uint64_t> calls{0};
+  const uint64_t call = ++calls;
+  const int64_t B = rb.block_rows, end = rb.blocks * P;  // end: panels of all blocks
+  return [=](int64_t t0, int64_t p0, int64_t p1, float* dst, int64_t ld) {
+    llm::amx::configure();
+    thread_local SplitPanels split;
+    split.reserve(per_panel);
+    const int64_t rows = std::min(B, T - t0), Tp = (rows + 15) / 16 * 16;
+    const uint16_t* ra = rb.a + t0 * rb.piece_row;
+    const bool down = llm::on_helper();
+    const int64_t step = down ? -1 : 1, g0 = t0 / B * P + (down ? p1 - 1 : p0);
+    int cur = split.holds(call, g0);
+    if (cur < 0) {
+      cur = 0;
+      prepare(g0 % P, split.b[cur]).all();
+    }
+    for (int64_t i = 0, g = g0; i < p1 - p0; ++i, g += step, cur ^= 1) {
+      decltype(prepare(0, nullptr)) next;
+      if (g + step >= 0 && g + step < end) next = prepare((g + step) % P, split.b[cur ^ 1]);
+      const int64_t p = g % P;
+      product(ra, t0, rows, Tp, p, split.b[cur], dst + (p - p0) * NR, ld,
+              std::min(NR, n - p * NR), next);
+    }
+    split.mark(call, g0 + (p1 - p0) * step, cur);
+  };
 }
 #endif
 
@@ -591,6 +680,8 @@ struct Layout {
   int64_t bytes = 0;  // a panel's
   int64_t group = 0;  // inputs per d (and m)
   bool offset = false;  // has m
+  ExpandLevels expand = nullptr;  // levels of 32-input blocks for AMX tiles, where there are
+  int64_t scales_at = 0;          // d [K / group][NR] float32 (then m) from a panel's start
 };
 
 template <class F>
@@ -598,10 +689,45 @@ Layout layout(int64_t K, bool offset) {
   return {block_panels<F>, unpacked_panels<F>, F{K}.bytes(), F::kGroup, offset};
 }
 
+#ifdef LLM_AMX
+// The levels of inputs [k0, k1) of a panel of F in amx.h's B layout (one piece of PanelSplit's):
+// each q is an integer of at most 8 bits, so exactly a bfloat16 (a float32's top half).
+template <class F>
+void expand_levels(const uint8_t* panel, int64_t K, uint16_t* out, int64_t k0, int64_t k1) {
+  const F format{K};
+  const __m512i top = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t k = k0; k < k1; k += 2) {
+    vec even[2], odd[2];
+    format.levels(panel, k, even[0], even[1]);
+    format.levels(panel, k + 1, odd[0], odd[1]);
+    for (int g = 0; g < 2; ++g) {
+      const __m512i lo = _mm512_srli_epi32(_mm512_castps_si512((__m512)even[g]), 16);
+      const __m512i hi = _mm512_and_si512(_mm512_castps_si512((__m512)odd[g]), top);
+      _mm512_store_si512(out + g * (K * 16) + (k / 32) * 512 + (k / 2 % 16) * 32,
+                         _mm512_or_si512(lo, hi));
+    }
+  }
+}
+
+template <class F>
+Layout level_layout(int64_t K, bool offset) {
+  static_assert(F::kGroup == llm::amx::KT, "levels for tiles come in blocks of 32 inputs");
+  Layout l = layout<F>(K, offset);
+  l.expand = expand_levels<F>;
+  l.scales_at = F{K}.scales_at();
+  return l;
+}
+#else
+template <class F>
+Layout level_layout(int64_t K, bool offset) {
+  return layout<F>(K, offset);
+}
+#endif
+
 Layout layout_of(const std::string& kind, int64_t K) {
-  if (kind == "q4") return layout<Q41>(K, true);
-  if (kind == "q8") return layout<Q80>(K, false);
-  if (kind == "u8g32") return layout<U8M<32>>(K, true);
+  if (kind == "q4") return level_layout<Q41>(K, true);
+  if (kind == "q8") return level_layout<Q80>(K, false);
+  if (kind == "u8g32") return level_layout<U8M<32>>(K, true);
   if (kind == "u8g16") return layout<U8M<16>>(K, true);
   if (kind == "bf16") return layout<BF16>(K, false);
   if (kind == "f16") return layout<F16>(K, false);
@@ -640,8 +766,6 @@ at::Tensor pack_blocks(const at::Tensor& weight_in, const at::Tensor& q_in, cons
   if (kind == "u8g32") return pack_format<U8M<32>>(weight, q, d, mp);
   return pack_format<U8M<16>>(weight, q, d, mp);
 }
-
-using PanelsFn = std::function<void(int64_t, int64_t, int64_t, float*, int64_t)>;
 
 // out [T, n] = compute(t0, p0, p1, dst, ld) over chunks of panels [p0, p1) of one block of rows
 // [t0, t0 + block_rows), on this thread and the idle helper; `keep` stays alive until they end.
@@ -703,14 +827,18 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n,
   };
   double flops_per_s = 100e9;
   int64_t weight_bytes = sizeof(float);
-  if (blocks.has_value() && blocks->numel() > 0 &&
-      (T <= kBlockRows || T <= unpack_rows.load(std::memory_order_relaxed))) {
-    const Layout l = layout_of(kind, K);
+  const bool has_blocks = blocks.has_value() && blocks->numel() > 0;
+  Layout l;
+  const uint8_t* bp = nullptr;
+  if (has_blocks) {
+    l = layout_of(kind, K);
     TORCH_CHECK(K % l.group == 0 && blocks->dim() == 2 && blocks->is_contiguous() &&
                     blocks->size(0) == P && blocks->size(1) * blocks->element_size() == l.bytes,
                 "linear: blocks of layout ", kind, " from pack_blocks or pack_halves for this "
                 "weight");
-    const auto* bp = reinterpret_cast<const uint8_t*>(blocks->const_data_ptr());
+    bp = reinterpret_cast<const uint8_t*>(blocks->const_data_ptr());
+  }
+  if (has_blocks && (T <= kBlockRows || T <= unpack_rows.load(std::memory_order_relaxed))) {
     keep.push_back(*blocks);
     weight_bytes = 2;  // a fifth to a half of the bytes, but widened: about half the time
     compute = [=, run = T <= kBlockRows ? l.run : l.unpacked](int64_t, int64_t p0, int64_t p1,
@@ -719,42 +847,41 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n,
     };
   }
 #ifdef LLM_AMX
-  if (T >= kAmxRows && linear_amx()) {
+  const bool levels = has_blocks && l.expand != nullptr && T > kBlockRows && T <= kLevelRows &&
+                      amx_levels.load(std::memory_order_relaxed);
+  if ((levels || T >= kAmxRows) && linear_amx()) {
     const RowBlocks rb = split_row_blocks(xp, T, K);
     keep.push_back(rb.pieces);
     row_blocks = rb.blocks;
     block_rows = rb.block_rows;
-    flops_per_s = 6 * 150e9;  // six bfloat16 products for each float32 one
-    static std::atomic<uint64_t> calls{0};
-    const uint64_t call = ++calls;
-    const int64_t B = block_rows, end = row_blocks * P, Kp = rb.Kp;  // end: panels of all blocks
-    compute = [=](int64_t t0, int64_t p0, int64_t p1, float* dst, int64_t ld) {
-      llm::amx::configure();
-      thread_local SplitPanels split;
-      split.reserve(llm::amx::kPieces * 2 * Kp * 16);
-      const int64_t rows = std::min(B, T - t0), Tp = (rows + 15) / 16 * 16;
-      const uint16_t* ra = rb.a + t0 * rb.piece_row;
-      // Panels in the order this thread travels (the helper takes chunks from the last down),
-      // numbered across row blocks: g = block * P + panel.
-      const bool down = llm::on_helper();
-      const int64_t step = down ? -1 : 1, g0 = t0 / B * P + (down ? p1 - 1 : p0);
-      int cur = split.holds(call, g0);
-      if (cur < 0) {
-        cur = 0;
-        llm::amx::PanelSplit{wp + g0 % P * K * NR, K, Kp, split.b[cur]}.all();
-      }
-      for (int64_t i = 0, g = g0; i < p1 - p0; ++i, g += step, cur ^= 1) {
-        // The next panel is split during this one's products, also past the chunk's end: the
-        // thread usually computes the neighbouring chunk next, and then finds its panel split.
-        llm::amx::PanelSplit next;
-        if (g + step >= 0 && g + step < end)
-          next = {wp + (g + step) % P * K * NR, K, Kp, split.b[cur ^ 1]};
-        const int64_t p = g % P;
-        llm::amx::panel_product(ra, rows, Tp, Kp, split.b[cur], dst + (p - p0) * NR, ld,
-                                std::min(NR, n - p * NR), next);
-      }
-      split.mark(call, g0 + (p1 - p0) * step, cur);
-    };
+    const int64_t Kp = rb.Kp;
+    if (levels) {
+      keep.push_back(*blocks);
+      at::Tensor sums = at::empty({row_blocks * block_rows, Kp / llm::amx::KT}, x.options());
+      llm::amx::block_sums(xp, T, K, sums.mutable_data_ptr<float>(), row_blocks * block_rows);
+      keep.push_back(sums);
+      const float* sp = sums.const_data_ptr<float>();
+      flops_per_s = 200e9;  // three bfloat16 products a float32 one, and each block's scaling
+      weight_bytes = 1;
+      compute = amx_panels(
+          rb, T, P, n, 2 * Kp * 16,
+          [=](int64_t p, uint16_t* out) { return LevelSplit{l.expand, bp + p * l.bytes, K, out}; },
+          [=](const uint16_t* ra, int64_t t0, int64_t rows, int64_t Tp, int64_t p,
+              const uint16_t* b, float* dst, int64_t ld, int64_t cols, const LevelSplit& next) {
+            const auto* d = reinterpret_cast<const float*>(bp + p * l.bytes + l.scales_at);
+            llm::amx::level_product(ra, rows, Tp, Kp, b, d, l.offset ? d + K / 32 * NR : nullptr,
+                                    sp + t0 * (Kp / llm::amx::KT), dst, ld, cols, next);
+          });
+    } else {
+      flops_per_s = 6 * 150e9;  // six bfloat16 products for each float32 one
+      compute = amx_panels(
+          rb, T, P, n, llm::amx::kPieces * 2 * Kp * 16,
+          [=](int64_t p, uint16_t* out) { return llm::amx::PanelSplit{wp + p * K * NR, K, Kp, out}; },
+          [=](const uint16_t* ra, int64_t, int64_t rows, int64_t Tp, int64_t, const uint16_t* b,
+              float* dst, int64_t ld, int64_t cols, const llm::amx::PanelSplit& next) {
+            llm::amx::panel_product(ra, rows, Tp, Kp, b, dst, ld, cols, next);
+          });
+    }
   }
 #endif
   run_panels(out, std::move(keep), P, row_blocks, block_rows,
@@ -1069,6 +1196,7 @@ TORCH_LIBRARY_FRAGMENT(llm_kernels, m) {
   m.def("linear_amx() -> bool", &linear_amx);
   m.def("fma_peak(int iterations) -> float", &fma_peak);
   m.def("set_unpack_rows(int rows) -> int", &set_unpack_rows);
+  m.def("set_amx_levels(bool enabled) -> bool", &set_amx_levels);
   m.def("screen_path() -> str", &screen_path);
   m.def("pack_linear_weight(Tensor weight) -> Tensor", &pack_linear_weight);
   m.def("pack_blocks(Tensor weight, Tensor q, Tensor d, Tensor? m, str kind) -> Tensor",
