@@ -32,7 +32,7 @@ from torch import nn
 from python_backends import procfs
 from python_backends.config import ModelConfig, RopeScaling
 from python_backends.host_memory import huge_page_empty
-from python_backends.models import kernels, weight_blocks
+from python_backends.models import kernels
 from python_backends.models.attention import AttentionMetadata, paged_attention, write_kv
 from python_backends.models.common import (
     RMSNorm,
@@ -417,8 +417,8 @@ class CausalLM(nn.Module):
                          "panels %.1f ms, those forms unpacked %.1f ms: steps of more than a "
                          "tile's rows read the %s", UNPACK_TIMING_ROWS, 1e3 * panels_s,
                          1e3 * unpacked_s, "narrower forms" if faster else "float32 panels")
-            on_tiles = sum(m.native_kind in weight_blocks.AMX_LEVELS for m in linears)
-            if on_tiles and torch.ops.llm_kernels.linear_amx():
+            on_tiles = sum(torch.ops.llm_kernels.amx_levels_for(m.native_kind) for m in linears)
+            if on_tiles:
                 log.info("%d projections compute steps of 13 to 128 rows from their GGUF levels "
                          "on AMX tiles", on_tiles)
             forms = Counter(_narrower_form(m) for m in linears)

@@ -35,9 +35,6 @@ import torch
 
 KINDS = ("q4", "u8g32", "u8g16", "q8")  # in the order tried: fewest bytes a weight first
 GROUP = {"q4": 32, "u8g32": 32, "u8g16": 16, "q8": 32}  # inputs per d (and m)
-# Kinds whose levels AMX tiles compute from (csrc/amx.h, level_product: a block is a tile's 32
-# inputs), in steps of 13 to 128 rows.
-AMX_LEVELS = frozenset(kind for kind, group in GROUP.items() if group == 32)
 
 
 @dataclass(frozen=True)

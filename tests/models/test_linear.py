@@ -335,6 +335,23 @@ def test_amx_levels_switch_is_set_and_read_back(ops):
         ops.set_amx_levels(before)
 
 
+def test_kinds_with_32_input_levels_report_the_amx_levels_path(ops):
+    """Q4_0/Q4_1/Q4_K (q4), the 5-bit types (u8g32) and Q8_0 (q8); not Q6_K's 16-input
+    groups, 16-bit weights or float32 alone; and nothing with the levels switched off."""
+    before = ops.set_amx_levels(True)
+    try:
+        with_levels = {kind: ops.amx_levels_for(kind)
+                       for kind in ("q4", "u8g32", "q8", "u8g16", "bf16", "f16", "")}
+        assert with_levels == {kind: ops.linear_amx() and kind in ("q4", "u8g32", "q8")
+                               for kind in with_levels}
+        ops.set_amx_levels(False)
+        assert not ops.amx_levels_for("q4")
+    finally:
+        ops.set_amx_levels(before)
+    with pytest.raises(RuntimeError, match="unknown block layout"):
+        ops.amx_levels_for("q3")
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("rows", "k", "n"), BLOCK_SHAPES)
 def test_calls_reading_16_bit_weights_equal_the_float_panels_bit_for_bit(ops, helper, unpack,

@@ -77,6 +77,15 @@ inline void split(__m512 v, __m512 (&piece)[kPieces]) {
   }
 }
 
+// The pairs (even[c], odd[c]) of bfloat16 per column c, 32 bits each (the B operand's pair
+// layout), from two vectors of floats whose low 16 bits are zero.
+inline __m512i pair_bf16(__m512 even, __m512 odd) {
+  const __m512i lo = _mm512_srli_epi32(_mm512_castps_si512(even), 16);
+  const __m512i hi = _mm512_and_si512(_mm512_castps_si512(odd),
+                                      _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  return _mm512_or_si512(lo, hi);
+}
+
 // x [T, K] row-major -> pieces [3][Tp / 16][Kp / 32][16 rows][32 k] bfloat16, rows padded to Tp
 // (a multiple of 16) and k to Kp (a multiple of 32) with zeros: the A operands of every tile
 // product, each tile's kilobyte contiguous (tile loads striding across rows ran ~10% slower).
@@ -114,7 +123,6 @@ struct PanelSplit {
   void rows(int64_t k0, int64_t k1) const {
     if (panel == nullptr) return;
     const int64_t per_piece = 2 * Kp * 16;  // uint16 per piece: 2 tiles of Kp x 16
-    const __m512i top = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
     for (int64_t k = k0; k < k1; k += 2) {
       for (int g = 0; g < 2; ++g) {
         __m512 even[kPieces], odd[kPieces];
@@ -124,9 +132,7 @@ struct PanelSplit {
         // pair r = k / 2 % 16 of k-tile k / 32: (even, odd) bfloat16 per column, 32 bits each.
         uint16_t* row = out + g * (Kp * 16) + (k / KT) * (RT * 32) + (k / 2 % RT) * 32;
         for (int p = 0; p < kPieces; ++p) {
-          const __m512i lo = _mm512_srli_epi32(_mm512_castps_si512(even[p]), 16);
-          const __m512i hi = _mm512_and_si512(_mm512_castps_si512(odd[p]), top);
-          _mm512_store_si512(row + p * per_piece, _mm512_or_si512(lo, hi));
+          _mm512_store_si512(row + p * per_piece, pair_bf16(even[p], odd[p]));
         }
       }
     }

@@ -695,16 +695,13 @@ Layout layout(int64_t K, bool offset) {
 template <class F>
 void expand_levels(const uint8_t* panel, int64_t K, uint16_t* out, int64_t k0, int64_t k1) {
   const F format{K};
-  const __m512i top = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int64_t k = k0; k < k1; k += 2) {
     vec even[2], odd[2];
     format.levels(panel, k, even[0], even[1]);
     format.levels(panel, k + 1, odd[0], odd[1]);
     for (int g = 0; g < 2; ++g) {
-      const __m512i lo = _mm512_srli_epi32(_mm512_castps_si512((__m512)even[g]), 16);
-      const __m512i hi = _mm512_and_si512(_mm512_castps_si512((__m512)odd[g]), top);
       _mm512_store_si512(out + g * (K * 16) + (k / 32) * 512 + (k / 2 % 16) * 32,
-                         _mm512_or_si512(lo, hi));
+                         llm::amx::pair_bf16((__m512)even[g], (__m512)odd[g]));
     }
   }
 }
@@ -732,6 +729,13 @@ Layout layout_of(const std::string& kind, int64_t K) {
   if (kind == "bf16") return layout<BF16>(K, false);
   if (kind == "f16") return layout<F16>(K, false);
   TORCH_CHECK(false, "unknown block layout '", kind, "'");
+}
+
+// Whether steps of kBlockRows + 1 to kLevelRows rows of a weight of block layout `kind` ("":
+// float32 alone) compute from its levels on AMX tiles here (for the load log).
+bool amx_levels_for(const std::string& kind) {
+  return !kind.empty() && layout_of(kind, 256).expand != nullptr && linear_amx() &&
+         amx_levels.load(std::memory_order_relaxed);
 }
 
 // The blocks of `kind` ("q4", "q8", "u8g32", "u8g16"): q [N, K] uint8 (int8 for "q8"), d and, with
@@ -837,9 +841,16 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n,
                 "linear: blocks of layout ", kind, " from pack_blocks or pack_halves for this "
                 "weight");
     bp = reinterpret_cast<const uint8_t*>(blocks->const_data_ptr());
-  }
-  if (has_blocks && (T <= kBlockRows || T <= unpack_rows.load(std::memory_order_relaxed))) {
     keep.push_back(*blocks);
+  }
+#ifdef LLM_AMX
+  const bool levels = has_blocks && l.expand != nullptr && T > kBlockRows && T <= kLevelRows &&
+                      amx_levels.load(std::memory_order_relaxed) && linear_amx();
+#else
+  const bool levels = false;
+#endif
+  if (has_blocks && !levels &&
+      (T <= kBlockRows || T <= unpack_rows.load(std::memory_order_relaxed))) {
     weight_bytes = 2;  // a fifth to a half of the bytes, but widened: about half the time
     compute = [=, run = T <= kBlockRows ? l.run : l.unpacked](int64_t, int64_t p0, int64_t p1,
                                                                float* dst, int64_t ld) {
@@ -847,16 +858,13 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n,
     };
   }
 #ifdef LLM_AMX
-  const bool levels = has_blocks && l.expand != nullptr && T > kBlockRows && T <= kLevelRows &&
-                      amx_levels.load(std::memory_order_relaxed);
-  if ((levels || T >= kAmxRows) && linear_amx()) {
+  if (levels || (T >= kAmxRows && linear_amx())) {
     const RowBlocks rb = split_row_blocks(xp, T, K);
     keep.push_back(rb.pieces);
     row_blocks = rb.blocks;
     block_rows = rb.block_rows;
     const int64_t Kp = rb.Kp;
     if (levels) {
-      keep.push_back(*blocks);
       at::Tensor sums = at::empty({row_blocks * block_rows, Kp / llm::amx::KT}, x.options());
       llm::amx::block_sums(xp, T, K, sums.mutable_data_ptr<float>(), row_blocks * block_rows);
       keep.push_back(sums);
@@ -869,7 +877,7 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n,
           [=](const uint16_t* ra, int64_t t0, int64_t rows, int64_t Tp, int64_t p,
               const uint16_t* b, float* dst, int64_t ld, int64_t cols, const LevelSplit& next) {
             const auto* d = reinterpret_cast<const float*>(bp + p * l.bytes + l.scales_at);
-            llm::amx::level_product(ra, rows, Tp, Kp, b, d, l.offset ? d + K / 32 * NR : nullptr,
+            llm::amx::level_product(ra, rows, Tp, Kp, b, d, l.offset ? d + K / l.group * NR : nullptr,
                                     sp + t0 * (Kp / llm::amx::KT), dst, ld, cols, next);
           });
     } else {
@@ -1197,6 +1205,7 @@ TORCH_LIBRARY_FRAGMENT(llm_kernels, m) {
   m.def("fma_peak(int iterations) -> float", &fma_peak);
   m.def("set_unpack_rows(int rows) -> int", &set_unpack_rows);
   m.def("set_amx_levels(bool enabled) -> bool", &set_amx_levels);
+  m.def("amx_levels_for(str kind) -> bool", &amx_levels_for);
   m.def("screen_path() -> str", &screen_path);
   m.def("pack_linear_weight(Tensor weight) -> Tensor", &pack_linear_weight);
   m.def("pack_blocks(Tensor weight, Tensor q, Tensor d, Tensor? m, str kind) -> Tensor",
