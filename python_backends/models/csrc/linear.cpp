@@ -706,6 +706,59 @@ void expand_levels(const uint8_t* panel, int64_t K, uint16_t* out, int64_t k0, i
   }
 }
 
+// Levels of at most 5 bits go straight from bytes to bfloat16 pairs by one table lookup (vpermw)
+// for 32 levels, where the generic expansion above converts 16 at a time to float32 and packs
+// the pairs. The same bits.
+//
+// Words (even[i], odd[i]) for i = 0..15 from two rows of 16 bytes: B's pairs of k.
+inline __m512i byte_pairs(const uint8_t* even, const uint8_t* odd) {
+  const __m128i e = _mm_loadu_si128(reinterpret_cast<const __m128i*>(even));
+  const __m128i o = _mm_loadu_si128(reinterpret_cast<const __m128i*>(odd));
+  return _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(e, o), _mm_unpacklo_epi8(e, o)));
+}
+
+// Word i: the bfloat16 of i mod `levels` (vpermw reads each index's low 5 bits).
+inline __m512i bf16_levels(int levels) {
+  alignas(64) uint16_t t[32];
+  for (int i = 0; i < 32; ++i) {
+    const float f = static_cast<float>(i % levels);
+    uint32_t bits;
+    std::memcpy(&bits, &f, sizeof bits);
+    t[i] = static_cast<uint16_t>(bits >> 16);
+  }
+  return _mm512_load_si512(t);
+}
+
+// Q4_1: input k's 16 bytes hold features 0..15 in their low nibbles, 16..31 in the high ones
+// (a byte's high nibble's lowest bit is an index's bit 4, which the table of 16 repeats over).
+template <>
+void expand_levels<Q41>(const uint8_t* panel, int64_t K, uint16_t* out, int64_t k0, int64_t k1) {
+  static_assert(Q41::kStride == 16, "16 bytes an input");
+  static const __m512i table = bf16_levels(16);
+  for (int64_t k = k0; k < k1; k += 2) {
+    const __m512i pairs = byte_pairs(panel + k * 16, panel + k * 16 + 16);
+    uint16_t* o = out + (k / 32) * 512 + (k / 2 % 16) * 32;
+    _mm512_store_si512(o, _mm512_permutexvar_epi16(pairs, table));
+    _mm512_store_si512(o + K * 16, _mm512_permutexvar_epi16(_mm512_srli_epi16(pairs, 4), table));
+  }
+}
+
+// The 5-bit types: a byte a feature, q in [0, 31].
+template <>
+void expand_levels<U8M<32>>(const uint8_t* panel, int64_t K, uint16_t* out, int64_t k0,
+                            int64_t k1) {
+  static_assert(U8M<32>::kStride == 32, "32 bytes an input");
+  static const __m512i table = bf16_levels(32);
+  for (int64_t k = k0; k < k1; k += 2) {
+    const uint8_t* even = panel + k * 32;
+    uint16_t* o = out + (k / 32) * 512 + (k / 2 % 16) * 32;
+    for (int g = 0; g < 2; ++g) {
+      _mm512_store_si512(o + g * (K * 16), _mm512_permutexvar_epi16(
+                                               byte_pairs(even + 16 * g, even + 32 + 16 * g), table));
+    }
+  }
+}
+
 template <class F>
 Layout level_layout(int64_t K, bool offset) {
   static_assert(F::kGroup == llm::amx::KT, "levels for tiles come in blocks of 32 inputs");
