@@ -40,7 +40,7 @@ from python_backends.models.common import (
     RotaryEmbedding,
     apply_rotary,
 )
-from python_backends.models.greedy_head import GreedyHead
+from python_backends.models.greedy_head import FEW_ROWS, GreedyHead
 from python_backends.models.latent_attention import LatentAttention
 from python_backends.parallel.context import ParallelContext
 from python_backends.parallel.layers import (
@@ -195,6 +195,14 @@ class NarrowerBudget:
         if found is not None and self.left is not None:
             self.left -= found.packed.numel() * found.packed.element_size()
         return found
+
+
+def _screened(head: GreedyHead | None) -> str:
+    """How greedy rows' LM head runs, for the load log."""
+    if head is None:
+        return "in full"
+    few = f", steps of at most {FEW_ROWS} rows on {head.few_rows.path}" if head.few_rows else ""
+    return f"screened on {head.screen.path}{few} (models.greedy_head)"
 
 
 def _narrower_form(linear: Linear) -> str:
@@ -426,8 +434,8 @@ class CausalLM(nn.Module):
                      "helper, read in steps of few rows %s (kernels.NativeLinear.blocks); greedy "
                      "rows' LM head %s; layers %s", ", ".join(f"{n} {form}" for form, n in
                                                             forms.items()),
-                     "screened (models.greedy_head)" if self.greedy_head is not None
-                     else "in full", "in one native call a step (kernels.DecoderStack)"
+                     _screened(self.greedy_head),
+                     "in one native call a step (kernels.DecoderStack)"
                      if self.model.build_native_stack() else "one by one")
             return len(linears)
         try_plain = float32 and keep_plain is not False

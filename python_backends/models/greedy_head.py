@@ -11,6 +11,10 @@ native kernel estimates all of them from roundings x0 of x and w0 of W, packed o
   channels: one scale for a whole row would blur the rest and leave hundreds of candidates a
   row instead of a few).
 
+On AMX tiles the head also keeps the int8 copy (every CPU with tiles has VNNI) and screens steps
+of at most FEW_ROWS rows on it: a step of few rows reads every weight once, and the int8 copy is
+half the bfloat16 one's bytes, while the tiles' products win from a tile's rows on.
+
 A bound on each estimate's error leaves only the few tokens whose logit could be the largest
 (`screen_candidates`); their logits are then computed in float32 from the float32 weight
 (`candidate_argmax`). The token is the argmax of those float32 logits, so the same token as
@@ -36,6 +40,10 @@ import torch
 from python_backends.models import kernels
 
 GROUP = 64  # inputs per int8 scale, on x and on W (csrc/linear.cpp's kGroup)
+# Steps of at most this many rows screen on int8 where the head has both copies. The head's
+# tokens for chat hidden states on a 2-core Emerald Rapids, AMX -> int8 (ms): 1 row 2.78 ->
+# 1.69, 4 rows 2.95 -> 1.86, 8 rows 3.13 -> 2.56, 12 rows 3.60 -> 3.23, 16 rows 3.74 -> 4.12.
+FEW_ROWS = 12
 
 
 def bf16_round(x: torch.Tensor) -> torch.Tensor:
@@ -58,49 +66,74 @@ def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     return q.view(n, kp), scale, x0
 
 
+def rounded(x: torch.Tensor, path: str) -> torch.Tensor:
+    """x0, the rounding of x [N, K] a path's screen multiplies."""
+    return bf16_round(x) if path == "amx" else quantize_groups(x)[2]
+
+
+@dataclass(frozen=True)
+class Screen:
+    """W's rounding w0 packed for one path's kernel, and |w - w0| of each token's row."""
+
+    path: str  # "amx" or "avx512_vnni" (kernels.screen_paths)
+    packed: torch.Tensor
+    dw_norm: torch.Tensor  # [V]
+
+    @classmethod
+    def build(cls, weight: torch.Tensor, path: str) -> Screen:
+        ops = torch.ops.llm_kernels
+        if path == "amx":
+            w0 = bf16_round(weight)
+            packed = ops.pack_screen_weight(w0)
+        else:
+            q, scale, w0 = quantize_groups(weight)
+            packed = ops.pack_int8_screen(q.to(torch.int8), scale)
+        return cls(path, packed, (weight - w0).norm(dim=1))
+
+    def estimate(self, x: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x0, x0 . w0 for every token [N, vocab]) for float32 x [N, K]."""
+        ops = torch.ops.llm_kernels
+        if self.path == "amx":
+            x0 = bf16_round(x)
+            return x0, ops.screen_linear(x0, self.packed, vocab)
+        q, scales, x0 = quantize_groups(x)
+        return x0, ops.int8_screen((q + 128).to(torch.uint8), scales, self.packed, vocab)
+
+
 @dataclass(frozen=True)
 class GreedyHead:
     """The argmax of x W^T by screening (module docstring); `build` makes one for a weight."""
 
     weight: torch.Tensor  # [V, K] float32: the candidates' logits are computed from it
-    path: str  # kernels.screen_path(): "amx" or "avx512_vnni"
-    screen: torch.Tensor  # W's rounding w0, packed for the path's screen
     w_norm: torch.Tensor  # [V] |w| of each token's row
-    dw_norm: torch.Tensor  # [V] |w - w0|
+    screen: Screen  # kernels.screen_path()'s
+    few_rows: Screen | None = None  # int8, for steps of at most FEW_ROWS rows, beside AMX's
 
     @classmethod
     def build(cls, weight: torch.Tensor) -> GreedyHead | None:
         """For a float32 CPU weight [V, K] where the native kernels screen (AMX tiles or
-        AVX-512 VNNI: kernels.screen_path); else None (the caller computes the logits)."""
-        path = kernels.screen_path() if weight.device.type == "cpu" else ""
-        if weight.dtype != torch.float32 or weight.dim() != 2 or not path:
+        AVX-512 VNNI: kernels.screen_paths); else None (the caller computes the logits)."""
+        paths = kernels.screen_paths() if weight.device.type == "cpu" else ()
+        if weight.dtype != torch.float32 or weight.dim() != 2 or not paths:
             return None
         weight = weight.detach().contiguous()
-        ops = torch.ops.llm_kernels
-        if path == "amx":
-            w0 = bf16_round(weight)
-            screen = ops.pack_screen_weight(w0)
-        else:
-            q, scale, w0 = quantize_groups(weight)
-            screen = ops.pack_int8_screen(q.to(torch.int8), scale)
-        w_norm, dw_norm = weight.norm(dim=1), (weight - w0).norm(dim=1)
+        w_norm = weight.norm(dim=1)
         if not bool(torch.isfinite(w_norm).all()):
             return None
-        return cls(weight, path, screen, w_norm, dw_norm)
+        few_rows = Screen.build(weight, paths[1]) if paths[1:] == ("avx512_vnni",) else None
+        return cls(weight, w_norm, Screen.build(weight, paths[0]), few_rows)
 
     @property
     def vocab_size(self) -> int:
         return int(self.weight.shape[0])
 
-    def estimate(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x0, the screen's estimate of x0 . w0 for every token [N, V]) for float32 x [N, K]."""
-        ops = torch.ops.llm_kernels
-        if self.path == "amx":
-            x0 = bf16_round(x)
-            return x0, ops.screen_linear(x0, self.screen, self.vocab_size)
-        q, scales, x0 = quantize_groups(x)
-        return x0, ops.int8_screen((q + 128).to(torch.uint8), scales, self.screen,
-                                   self.vocab_size)
+    @property
+    def paths(self) -> tuple[str, ...]:
+        """The screens' paths, many rows' first."""
+        return (self.screen.path,) + ((self.few_rows.path,) if self.few_rows else ())
+
+    def screen_for(self, rows: int) -> Screen:
+        return self.few_rows if self.few_rows is not None and rows <= FEW_ROWS else self.screen
 
     def tokens(self, x: torch.Tensor) -> torch.Tensor | None:
         """The argmax of each row of x W^T ([N] int64) for float32 x [N, K]; None where x holds
@@ -110,11 +143,12 @@ class GreedyHead:
         nx = x.norm(dim=1)
         if not bool(torch.isfinite(nx).all()):
             return None
-        x0, estimate = self.estimate(x)
+        screen = self.screen_for(x.shape[0])
+        x0, estimate = screen.estimate(x, self.vocab_size)
         nx0, dx = x0.norm(dim=1), (x - x0).norm(dim=1)
         g = 2 * (x.shape[1] + 2) * 2.0 ** -24
         # E = a |w| + b |w - w0|, using |w0| <= |w| + |w - w0| for the estimate's sum.
         a, b = dx + g * (nx + nx0), nx0 * (1 + g)
         rows, cols = torch.ops.llm_kernels.screen_candidates(estimate, a, b, self.w_norm,
-                                                             self.dw_norm)
+                                                             screen.dw_norm)
         return torch.ops.llm_kernels.candidate_argmax(x, self.weight, rows, cols)

@@ -142,6 +142,12 @@ def screen_path() -> str:
     return str(torch.ops.llm_kernels.screen_path()) if load() else ""
 
 
+def screen_paths() -> tuple[str, ...]:
+    """Every path the screen can compute on here, screen_path's first (on AMX tiles, int8
+    products too where the CPU has AVX-512 VNNI, as every CPU with tiles does)."""
+    return tuple(str(p) for p in torch.ops.llm_kernels.screen_paths()) if load() else ()
+
+
 def fma_peak_flops() -> float | None:
     """Float32 FLOP/s (two a multiply-add) that one thread's FMA units sustain with the
     kernels' vectors, measured now (about 0.1 s); None without the native kernels. What the

@@ -9,9 +9,10 @@ import torch
 
 from python_backends.models import kernels
 from python_backends.models.greedy_head import (
+    FEW_ROWS,
     GreedyHead,
-    bf16_round,
     quantize_groups,
+    rounded,
 )
 
 pytestmark = pytest.mark.skipif(not kernels.screen_path(),
@@ -51,11 +52,24 @@ def test_screen_is_the_rounded_operands_product(rows, vocab, k):
     x[:, : min(k, 40)] *= 30  # a few large channels, as hidden states have
     head = GreedyHead.build(w)
     assert head is not None
-    x0, got = head.estimate(x)
-    w0 = bf16_round(w) if head.path == "amx" else quantize_groups(w)[2]
+    screen = head.screen_for(rows)
+    x0, got = screen.estimate(x, vocab)
+    assert torch.equal(x0, rounded(x, screen.path))
+    w0 = rounded(w, screen.path)
     exact = x0.double() @ w0.double().T
     bound = 2 * (k + 2) * 2.0 ** -24 * (x0.abs().double() @ w0.abs().double().T)
     assert ((got.double() - exact).abs() <= bound).all()
+
+
+def test_steps_of_few_rows_screen_on_int8_beside_amx():
+    head = GreedyHead.build(torch.randn(100, 64))
+    assert head is not None and head.paths == kernels.screen_paths()
+    few, many = head.screen_for(FEW_ROWS), head.screen_for(FEW_ROWS + 1)
+    assert many.path == kernels.screen_path()
+    if kernels.screen_paths() == ("amx", "avx512_vnni"):  # every CPU with tiles has VNNI
+        assert few.path == "avx512_vnni" and head.screen_for(1) is few
+    else:
+        assert few is many and head.few_rows is None
 
 
 def test_int8_groups_round_each_group_on_its_own_scale():
@@ -79,8 +93,9 @@ def test_tokens_are_the_float32_argmax_with_near_ties():
     assert head is not None
     x = torch.randn(24, k) * torch.logspace(-3, 3, 24).unsqueeze(1)  # norms 1e-3 .. 1e3
     x[:8] = weight[999] * 40 + 1e-3 * torch.randn(8, k)  # pointing at the near-tied rows
-    tokens = head.tokens(x)
-    assert tokens is not None and torch.equal(tokens, _argmax(x, weight))
+    for rows in (x, x[:FEW_ROWS], x[6:7]):  # the screen for many rows and for few
+        tokens = head.tokens(rows)
+        assert tokens is not None and torch.equal(tokens, _argmax(rows, weight))
 
 
 def test_exact_ties_go_to_the_lowest_index():

@@ -571,11 +571,19 @@ constexpr bool kDotInt8 = NR == 32;  // int8_screen below
 constexpr bool kDotInt8 = false;
 #endif
 
-// What the greedy head's screen computes on here: "amx" (screen_linear), "avx512_vnni"
-// (int8_screen) or "" (it does not).
+// What the greedy head's screen can compute on here, the path for many rows first: "amx"
+// (screen_linear), "avx512_vnni" (int8_screen); none where it does not.
+std::vector<std::string> screen_paths() {
+  std::vector<std::string> paths;
+  if (linear_amx()) paths.emplace_back("amx");
+  if (kDotInt8) paths.emplace_back("avx512_vnni");
+  return paths;
+}
+
+// The first of those, or "".
 std::string screen_path() {
-  if (linear_amx()) return "amx";
-  return kDotInt8 ? "avx512_vnni" : "";
+  const std::vector<std::string> paths = screen_paths();
+  return paths.empty() ? "" : paths.front();
 }
 
 at::Tensor pack_linear_weight(const at::Tensor& weight) {
@@ -1260,6 +1268,7 @@ TORCH_LIBRARY_FRAGMENT(llm_kernels, m) {
   m.def("set_amx_levels(bool enabled) -> bool", &set_amx_levels);
   m.def("amx_levels_for(str kind) -> bool", &amx_levels_for);
   m.def("screen_path() -> str", &screen_path);
+  m.def("screen_paths() -> str[]", &screen_paths);
   m.def("pack_linear_weight(Tensor weight) -> Tensor", &pack_linear_weight);
   m.def("pack_blocks(Tensor weight, Tensor q, Tensor d, Tensor? m, str kind) -> Tensor",
         &pack_blocks);
