@@ -162,11 +162,13 @@ def fma_peak_flops() -> float | None:
 @dataclass(frozen=True)
 class HelperStats:
     """Since the process started: chunks of native-kernel work, those the idle-CPU helper
-    computed, and those the calling thread took back from it (csrc/idle_helper.h)."""
+    computed, those the calling thread took back from it, and the heavy jobs (prompts'
+    projections) the helper worked on at normal priority (csrc/idle_helper.h)."""
 
     chunks: int = 0
     helped: int = 0
     taken_back: int = 0
+    boosted: int = 0
 
 
 def helper_stats() -> HelperStats:

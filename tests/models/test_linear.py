@@ -119,7 +119,7 @@ def test_a_weight_packed_again_in_place_is_read_anew(ops, helper):
 def test_the_helper_takes_chunks_when_a_cpu_is_idle(ops, helper):
     w = ops.pack_linear_weight(torch.randn(16384, 576))
     x = torch.randn(1, 576)
-    _, helped, _ = ops.idle_helper_stats()
+    helped = ops.idle_helper_stats()[1]
     deadline = time.monotonic() + 10
     while ops.idle_helper_stats()[1] == helped and time.monotonic() < deadline:
         ops.linear(x, w, 16384)
@@ -132,10 +132,51 @@ def test_switched_off_the_caller_computes_every_chunk(ops, helper):
     ops.set_idle_helper(False)
     ops.linear(x, w, 16384)  # a job the helper may still be finishing from before
     time.sleep(0.05)
-    _, helped, _ = ops.idle_helper_stats()
+    helped = ops.idle_helper_stats()[1]
     for _ in range(20):
         ops.linear(x, w, 16384)
     assert ops.idle_helper_stats()[1] == helped
+
+
+BOOSTED = """
+import os, time, torch
+from python_backends.models import kernels
+assert kernels.load()
+ops = torch.ops.llm_kernels
+w = ops.pack_linear_weight(torch.randn(3072, 576))
+prompt, step = torch.randn(200, 576), torch.randn(40, 576)  # more than 128 rows, and fewer
+want = [ops.linear(x, w, 3072) for x in (prompt, step)]
+for _ in range(20):  # steps alone are never boosted
+    ops.linear(step, w, 3072)
+time.sleep(0.05)  # a job the helper may still be finishing
+after_steps = ops.idle_helper_stats()[3]
+deadline = time.monotonic() + (1 if os.environ["LLM_HELPER_BOOST"] == "0" else 10)
+while ops.idle_helper_stats()[3] == after_steps and time.monotonic() < deadline:
+    assert torch.equal(ops.linear(prompt, w, 3072), want[0])
+time.sleep(0.05)
+print(after_steps, ops.idle_helper_stats()[3] - after_steps)
+"""
+
+
+def _may_leave_sched_idle() -> bool:
+    code = ("import os; p = os.sched_param(0); os.sched_setscheduler(0, os.SCHED_IDLE, p); "
+            "os.sched_setscheduler(0, os.SCHED_OTHER, p)")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="the helper needs a second CPU")
+@pytest.mark.parametrize("boost", ["1", "0"])
+def test_the_helper_computes_prompts_at_normal_priority(boost):
+    """Calls of more than 128 rows (prompts) are heavy jobs: the helper leaves SCHED_IDLE for
+    them, unless LLM_HELPER_BOOST=0 or the process may not (in a process of its own: the
+    setting is read once)."""
+    env = dict(os.environ, LLM_HELPER_BOOST=boost)
+    out = subprocess.run([sys.executable, "-c", BOOSTED], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    before_prompts, by_prompts = map(int, out.stdout.split())
+    assert before_prompts == 0
+    assert (by_prompts > 0) == (boost == "1" and _may_leave_sched_idle())
 
 
 FORKED = """

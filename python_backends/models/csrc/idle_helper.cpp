@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -38,6 +39,7 @@ thread_local bool t_on_helper = false;
 std::atomic<int64_t> g_chunks{0};
 std::atomic<int64_t> g_helped{0};
 std::atomic<int64_t> g_taken_back{0};
+std::atomic<int64_t> g_boosted{0};
 
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -171,9 +173,33 @@ class Helper {
       Slot* slot = current_.load();
       if (slot == nullptr) continue;
       slot->users.fetch_add(1);
-      if (current_.load() == slot) work(*slot, scratch);
+      if (current_.load() == slot) {
+        const bool boosted = slot->job.heavy && boost(true);
+        work(*slot, scratch);
+        if (boosted) {
+          boost(false);
+          g_boosted.fetch_add(1, std::memory_order_relaxed);
+        }
+      }
       slot->users.fetch_sub(1);
     }
+  }
+
+  // Normal priority for a heavy job, SCHED_IDLE again after it (not while spinning between
+  // jobs). False where the switch is refused (leaving SCHED_IDLE needs RLIMIT_NICE room or
+  // CAP_SYS_NICE) or switched off (LLM_HELPER_BOOST=0), from then on.
+  static bool boost(bool on) {
+    static std::atomic<bool> allowed{[] {
+      const char* env = std::getenv("LLM_HELPER_BOOST");
+      return env == nullptr || std::strcmp(env, "0") != 0;
+    }()};
+    if (!allowed.load(std::memory_order_relaxed)) return false;
+    sched_param param{};
+    if (sched_setscheduler(0, on ? SCHED_OTHER : SCHED_IDLE, &param) != 0) {
+      allowed.store(false);
+      return false;
+    }
+    return true;
   }
 
   static void work(Slot& slot, std::vector<float>& scratch) {  // float: aligned for any dtype
@@ -263,7 +289,9 @@ bool set_helper_enabled(bool enabled) { return g_enabled.exchange(enabled); }
 
 bool on_helper() { return t_on_helper; }
 
-HelperStats helper_stats() { return {g_chunks.load(), g_helped.load(), g_taken_back.load()}; }
+HelperStats helper_stats() {
+  return {g_chunks.load(), g_helped.load(), g_taken_back.load(), g_boosted.load()};
+}
 
 }  // namespace llm
 
@@ -273,7 +301,7 @@ bool set_idle_helper(bool enabled) { return llm::set_helper_enabled(enabled); }
 
 std::vector<int64_t> idle_helper_stats() {
   const llm::HelperStats s = llm::helper_stats();
-  return {s.chunks, s.helped, s.taken_back};
+  return {s.chunks, s.helped, s.taken_back, s.boosted};
 }
 
 }  // namespace

@@ -11,6 +11,14 @@
 // the helper has not finished (and computes it itself), waiting only for a copy in progress. Every
 // chunk is computed by the same code whoever runs it, so results do not depend on the split.
 //
+// A heavy job (Job::heavy: a prompt's projections, more than 128 rows) the helper computes at
+// normal priority, and returns to SCHED_IDLE after it. Under a client that busy-polls the other
+// core (aiperf's plain mode), SCHED_IDLE left the helper a tenth of the chunks and the engine
+// thread every prompt alone; at normal priority it takes a fair share of that core while the
+// prompt lasts, and never while it spins between jobs (which cost the engine thread when the
+// helper always ran at normal priority). LLM_HELPER_BOOST=0 keeps it SCHED_IDLE throughout, and
+// where leaving SCHED_IDLE is refused (it needs CAP_SYS_NICE or RLIMIT_NICE room) it stays so.
+//
 // The helper spins briefly after a job (the next projection of a step follows within
 // microseconds) and then sleeps on a futex, so an idle engine costs no CPU. After a fork the
 // child starts its own helper. Without Linux, or with the helper switched off, the caller
@@ -39,6 +47,9 @@ struct Job {
   std::function<Block(int64_t)> place;                     // where chunk c's result goes
   std::function<void(int64_t, char*, int64_t)> compute;  // chunk c into (dst, ld in bytes)
   std::vector<at::Tensor> keep;  // inputs and output, alive while the helper may read them
+  // Long enough to take a share of a busy core for (the AMX tiles' projections): the helper
+  // computes it at normal priority (see boost in idle_helper.cpp).
+  bool heavy = false;
 };
 
 // Runs `job` on the calling thread and the helper; returns when every chunk is in place.
@@ -50,12 +61,13 @@ bool on_helper();
 // Whether calls may use the helper (default: yes, with more than one CPU). Returns the old value.
 bool set_helper_enabled(bool enabled);
 
-// Since the process started: chunks of every job, those the helper computed and kept, and those
-// the caller took back from it.
+// Since the process started: chunks of every job, those the helper computed and kept, those
+// the caller took back from it, and the heavy jobs the helper worked on at normal priority.
 struct HelperStats {
   int64_t chunks;
   int64_t helped;
   int64_t taken_back;
+  int64_t boosted;
 };
 HelperStats helper_stats();
 

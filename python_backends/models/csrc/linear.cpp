@@ -843,6 +843,7 @@ void run_panels(at::Tensor out, std::vector<at::Tensor> keep, int64_t P, int64_t
   keep.push_back(out);
   job.keep = std::move(keep);
   job.chunks = row_blocks * across;
+  job.heavy = T > kLevelRows;  // a prompt's: the helper takes a share of a busy core for it
   constexpr int64_t F = sizeof(float);
   auto span = [=](int64_t c) {  // chunk c: first row, panels [p0, p1)
     const int64_t p0 = c % across * per;
