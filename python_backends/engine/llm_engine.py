@@ -86,6 +86,7 @@ class EngineStats:
     kernel_chunks: int = 0  # since start, rank 0's process: native-kernel work, in chunks
     helper_chunks: int = 0  # of those, computed by the idle-CPU helper (models.kernels)
     helper_taken_back: int = 0  # chunks the helper had taken that the engine thread took back
+    helper_boosted: int = 0  # heavy jobs (prompts') the helper worked on at normal priority
     draft_tokens: int = 0  # since start: speculative tokens computed (engine.speculative)
     draft_tokens_accepted: int = 0  # of those, confirmed by the model and kept
 
@@ -312,6 +313,7 @@ class LLMEngine:
             kernel_chunks=helper.chunks,
             helper_chunks=helper.helped,
             helper_taken_back=helper.taken_back,
+            helper_boosted=helper.boosted,
             draft_tokens=self.scheduler.num_draft_tokens,
             draft_tokens_accepted=self.scheduler.num_accepted_tokens,
         )

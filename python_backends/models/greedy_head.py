@@ -33,7 +33,9 @@ a few of its 49152 tokens.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -66,38 +68,57 @@ def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     return q.view(n, kp), scale, x0
 
 
+class _Kernels(NamedTuple):
+    """One screen path: how it rounds a matrix's rows, how it packs W's, how it multiplies."""
+
+    # x [N, K] -> (operand, scales, x0): what the kernel reads, and x0 = the values it multiplies
+    rounding: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    pack: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # W's (operand, scales)
+    product: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+
+
+def _bf16_rounding(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    x0 = bf16_round(x)
+    return x0, x0.new_empty(0), x0
+
+
+PATHS = {  # by kernels.screen_paths' names
+    "amx": _Kernels(
+        _bf16_rounding,
+        lambda w0, _: torch.ops.llm_kernels.pack_screen_weight(w0),
+        lambda x0, _, packed, vocab: torch.ops.llm_kernels.screen_linear(x0, packed, vocab)),
+    "avx512_vnni": _Kernels(
+        quantize_groups,
+        lambda q, scales: torch.ops.llm_kernels.pack_int8_screen(q.to(torch.int8), scales),
+        lambda q, scales, packed, vocab: torch.ops.llm_kernels.int8_screen(
+            (q + 128).to(torch.uint8), scales, packed, vocab)),
+}
+
+
 def rounded(x: torch.Tensor, path: str) -> torch.Tensor:
     """x0, the rounding of x [N, K] a path's screen multiplies."""
-    return bf16_round(x) if path == "amx" else quantize_groups(x)[2]
+    return PATHS[path].rounding(x)[2]
 
 
 @dataclass(frozen=True)
 class Screen:
     """W's rounding w0 packed for one path's kernel, and |w - w0| of each token's row."""
 
-    path: str  # "amx" or "avx512_vnni" (kernels.screen_paths)
+    path: str  # one of PATHS
     packed: torch.Tensor
     dw_norm: torch.Tensor  # [V]
 
     @classmethod
     def build(cls, weight: torch.Tensor, path: str) -> Screen:
-        ops = torch.ops.llm_kernels
-        if path == "amx":
-            w0 = bf16_round(weight)
-            packed = ops.pack_screen_weight(w0)
-        else:
-            q, scale, w0 = quantize_groups(weight)
-            packed = ops.pack_int8_screen(q.to(torch.int8), scale)
-        return cls(path, packed, (weight - w0).norm(dim=1))
+        kernel = PATHS[path]
+        operand, scales, w0 = kernel.rounding(weight)
+        return cls(path, kernel.pack(operand, scales), (weight - w0).norm(dim=1))
 
     def estimate(self, x: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(x0, x0 . w0 for every token [N, vocab]) for float32 x [N, K]."""
-        ops = torch.ops.llm_kernels
-        if self.path == "amx":
-            x0 = bf16_round(x)
-            return x0, ops.screen_linear(x0, self.packed, vocab)
-        q, scales, x0 = quantize_groups(x)
-        return x0, ops.int8_screen((q + 128).to(torch.uint8), scales, self.packed, vocab)
+        kernel = PATHS[self.path]
+        operand, scales, x0 = kernel.rounding(x)
+        return x0, kernel.product(operand, scales, self.packed, vocab)
 
 
 @dataclass(frozen=True)
@@ -106,7 +127,7 @@ class GreedyHead:
 
     weight: torch.Tensor  # [V, K] float32: the candidates' logits are computed from it
     w_norm: torch.Tensor  # [V] |w| of each token's row
-    screen: Screen  # kernels.screen_path()'s
+    screen: Screen  # on kernels.screen_paths()'s first
     few_rows: Screen | None = None  # int8, for steps of at most FEW_ROWS rows, beside AMX's
 
     @classmethod
@@ -120,7 +141,7 @@ class GreedyHead:
         w_norm = weight.norm(dim=1)
         if not bool(torch.isfinite(w_norm).all()):
             return None
-        few_rows = Screen.build(weight, paths[1]) if paths[1:] == ("avx512_vnni",) else None
+        few_rows = Screen.build(weight, paths[1]) if len(paths) > 1 else None
         return cls(weight, w_norm, Screen.build(weight, paths[0]), few_rows)
 
     @property

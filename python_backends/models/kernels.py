@@ -139,7 +139,7 @@ def load() -> bool:
 def screen_path() -> str:
     """What the greedy LM head's screen computes on ("amx" tiles, "avx512_vnni" int8 products),
     "" where it does not (then greedy rows compute every logit)."""
-    return str(torch.ops.llm_kernels.screen_path()) if load() else ""
+    return (screen_paths() or ("",))[0]
 
 
 def screen_paths() -> tuple[str, ...]:

@@ -49,6 +49,8 @@ ENGINE_TOTALS = (
      "Of those, chunks the idle-CPU helper thread computed (its share of the second core)"),
     ("helper_taken_back", "llm_idle_helper_taken_back_total",
      "Chunks the helper had taken and the engine thread took back and computed itself"),
+    ("helper_boosted", "llm_idle_helper_boosted_total",
+     "Heavy jobs (prompts' projections) the helper computed at normal priority, not idle"),
     ("draft_tokens", "llm_spec_draft_tokens_total",
      "Speculative (prompt-lookup) draft tokens the engine computed"),
     ("draft_tokens_accepted", "llm_spec_accepted_tokens_total",

@@ -47,8 +47,8 @@ struct Job {
   std::function<Block(int64_t)> place;                     // where chunk c's result goes
   std::function<void(int64_t, char*, int64_t)> compute;  // chunk c into (dst, ld in bytes)
   std::vector<at::Tensor> keep;  // inputs and output, alive while the helper may read them
-  // Long enough to take a share of a busy core for (the AMX tiles' projections): the helper
-  // computes it at normal priority (see boost in idle_helper.cpp).
+  // Long enough to take a share of a busy core for (a call of more than 128 rows, a prompt's,
+  // on every path): the helper computes it at normal priority (see boost in idle_helper.cpp).
   bool heavy = false;
 };
 

@@ -580,12 +580,6 @@ std::vector<std::string> screen_paths() {
   return paths;
 }
 
-// The first of those, or "".
-std::string screen_path() {
-  const std::vector<std::string> paths = screen_paths();
-  return paths.empty() ? "" : paths.front();
-}
-
 at::Tensor pack_linear_weight(const at::Tensor& weight) {
   TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kFloat && weight.dim() == 2,
               "pack_linear_weight: a float32 CPU matrix [out_features, in_features]");
@@ -1268,7 +1262,6 @@ TORCH_LIBRARY_FRAGMENT(llm_kernels, m) {
   m.def("set_unpack_rows(int rows) -> int", &set_unpack_rows);
   m.def("set_amx_levels(bool enabled) -> bool", &set_amx_levels);
   m.def("amx_levels_for(str kind) -> bool", &amx_levels_for);
-  m.def("screen_path() -> str", &screen_path);
   m.def("screen_paths() -> str[]", &screen_paths);
   m.def("pack_linear_weight(Tensor weight) -> Tensor", &pack_linear_weight);
   m.def("pack_blocks(Tensor weight, Tensor q, Tensor d, Tensor? m, str kind) -> Tensor",
