@@ -21,6 +21,7 @@ from python_backends.procfs import stub_of
 STEP_PHASES_METRIC = "llm_engine_step_seconds_total"
 KERNEL_CHUNKS_METRIC = "llm_kernel_chunks_total"
 HELPER_CHUNKS_METRIC = "llm_idle_helper_chunks_total"
+HELPER_BOOSTED_METRIC = "llm_idle_helper_boosted_total"
 DRAFT_METRIC = "llm_spec_draft_tokens_total"
 ACCEPTED_METRIC = "llm_spec_accepted_tokens_total"
 
@@ -66,6 +67,7 @@ class Breakdown:
     cpu_ms: dict[str, float]  # CPU ms per token, by process name (a model's instances summed)
     phases_ms: dict[str, dict[str, float]]  # engine wall ms per token, by model then phase
     helper_share: dict[str, float] = field(default_factory=dict)  # by model: helper's chunks
+    helper_boosted: dict[str, float] = field(default_factory=dict)  # by model: its heavy jobs
     drafts: dict[str, tuple[float, float]] = field(default_factory=dict)  # by model: drafted, kept
 
 
@@ -97,7 +99,9 @@ def breakdown(before: Snapshot, after: Snapshot, tokens: int, wall_s: float) -> 
 
     share = {m: helped / chunks for m, (chunks, helped)
              in moved(KERNEL_CHUNKS_METRIC, HELPER_CHUNKS_METRIC).items()}
-    return Breakdown(tokens, wall_s, dict(cpu), busy, share,
+    boosted = {m: jobs for m, (_, jobs)
+               in moved(KERNEL_CHUNKS_METRIC, HELPER_BOOSTED_METRIC).items()}
+    return Breakdown(tokens, wall_s, dict(cpu), busy, share, boosted,
                      moved(DRAFT_METRIC, ACCEPTED_METRIC))
 
 
@@ -116,7 +120,8 @@ def format_breakdown(b: Breakdown, cores: int) -> str:
                      f"(sum {sum(phases.values()):.2f})")
         if model in b.helper_share:
             lines.append(f"  {model} idle-CPU helper: {100 * b.helper_share[model]:.0f}% of the "
-                         f"native kernels' work chunks")
+                         f"native kernels' work chunks; "
+                         f"{b.helper_boosted.get(model, 0):.0f} prompts' jobs at normal priority")
         if model in b.drafts:
             drafted, kept = b.drafts[model]
             lines.append(f"  {model} speculative drafts: {drafted:.0f} drafted, {kept:.0f} kept "

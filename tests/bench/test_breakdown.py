@@ -7,6 +7,7 @@ from collections.abc import Callable
 from python_backends.bench.breakdown import (
     ACCEPTED_METRIC,
     DRAFT_METRIC,
+    HELPER_BOOSTED_METRIC,
     HELPER_CHUNKS_METRIC,
     KERNEL_CHUNKS_METRIC,
     STEP_PHASES_METRIC,
@@ -61,10 +62,20 @@ def test_the_helpers_share_of_kernel_chunks_over_the_load() -> None:
     assert b.helper_share == {"worker": 0.4}  # 800 of the load's 2000 chunks
     assert "worker idle-CPU helper: 40% of the native kernels' work chunks" in format_breakdown(
         b, cores=2)
+    assert b.helper_boosted == {"worker": 0}  # no heavy-job counter: none
     # no kernel chunks (torch ops, a GPU engine): no line
     flat = Snapshot({1: 0.0}, names, metrics(1000, 100))
     moved = Snapshot({1: 1.0}, names, {**metrics(1000, 100), **phases(forward=20.0)})
     assert breakdown(flat, moved, tokens=10, wall_s=1.0).helper_share == {}
+
+
+def test_the_helpers_heavy_jobs_over_the_load() -> None:
+    metrics = counters(KERNEL_CHUNKS_METRIC, HELPER_BOOSTED_METRIC)
+    names = {1: "worker"}
+    b = breakdown(Snapshot({1: 0.0}, names, metrics(1000, 5)),
+                  Snapshot({1: 1.0}, names, metrics(3000, 17)), tokens=10, wall_s=1.0)
+    assert b.helper_boosted == {"worker": 12}
+    assert "; 12 prompts' jobs at normal priority" in format_breakdown(b, cores=2)
 
 
 def test_speculative_drafts_over_the_load() -> None:
