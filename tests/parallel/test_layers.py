@@ -165,7 +165,8 @@ def test_one_thread_engines_compute_projections_natively_and_match_hf(
     assert after.kernel_chunks > before.kernel_chunks
     assert 0 <= after.helper_chunks - before.helper_chunks <= after.kernel_chunks
     assert after.helper_taken_back >= before.helper_taken_back
-    assert after.helper_boosted == kernels.helper_stats().boosted
+    # the helper counts a heavy job once it is SCHED_IDLE again, maybe after the step returned
+    assert before.helper_boosted <= after.helper_boosted <= kernels.helper_stats().boosted
 
 
 def fake_op(x: torch.Tensor, packed: torch.Tensor, out_features: int,
