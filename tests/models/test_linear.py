@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from python_backends.models import cpu_isa, kernels
-from python_backends.models.weight_blocks import find
+from python_backends.models.weight_blocks import Blocks, find
 from tests.models.test_weight_blocks import READ_AS, first_found, gguf_of, gguf_q4_1, gguf_q8_0
 
 
@@ -353,6 +353,18 @@ def test_calls_from_the_levels_stay_within_float32_error(ops, helper, amx_levels
     packed = ops.pack_linear_weight(w)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     got = ops.linear(x, packed, n, blocks, found.kind)
+    assert_within_block_terms_bound(ops, got, x, w, found)
+    # On AMX these rows took the levels' path: another order of sums than the float32 panels
+    # (129 rows of Q4_1 and Q5_1 too, from two pieces of each weight: the test below).
+    tiles = rows <= 128 or gguf in ("Q4_1", "Q5_1")
+    assert torch.equal(got, ops.linear(x, packed, n)) is not (ops.linear_amx() and tiles)
+
+
+def assert_within_block_terms_bound(ops, got, x, w, found):
+    """`got` (x W^T from the blocks `found`) within float32 summation's bound of the float64
+    product, taken over the block's terms (|d q| and |m| apart: they may cancel in w); and bit for
+    bit the same whoever computes which chunk."""
+    k, n = x.shape[1], w.shape[0]
     group = k // found.d.shape[1]
     terms = (found.q.double() * found.d.double().repeat_interleave(group, 1)).abs()
     if found.m is not None:
@@ -360,11 +372,61 @@ def test_calls_from_the_levels_stay_within_float32_error(ops, helper, amx_levels
     error = (got.double() - x.double() @ w.double().T).abs()
     assert (error <= k * 2**-24 * (x.double().abs() @ terms.T)).all()
     ops.set_idle_helper(False)
-    alone = ops.linear(x, packed, n, blocks, found.kind)
-    ops.set_idle_helper(True)
+    try:
+        alone = ops.linear(x, ops.pack_linear_weight(w), n, ops.pack_blocks(
+            w, found.q, found.d, found.m, found.kind), found.kind)
+    finally:
+        ops.set_idle_helper(True)
     assert torch.equal(alone, got)
-    # On AMX these rows took the levels' path: another order of sums than the float32 panels.
-    assert torch.equal(got, ops.linear(x, packed, n)) is not (ops.linear_amx() and rows <= 128)
+
+
+# Calls of more than 128 rows on AMX tiles of weights whose every d q and m is two bfloat16
+# pieces exactly (csrc/linear.cpp, LevelPieces: float16 d of 4- and 5-bit levels, Q4_0, Q4_1,
+# Q5_0, Q5_1): five products, each row's block sums beside its inputs against the m. Several
+# blocks of rows (300 of 1536 inputs), partial row tiles and panels, inputs of two blocks.
+PIECE_SHAPES = [(129, 576, 100), (200, 64, 33), (300, 1536, 70), (150, 576, 960)]
+
+
+@pytest.mark.parametrize("gguf", ["Q4_0", "Q4_1", "Q5_1", "Q4_K", "Q8_0"])
+@pytest.mark.parametrize(("rows", "k", "n"), PIECE_SHAPES)
+def test_prompt_sized_calls_from_two_weight_pieces_stay_within_float32_error(
+        ops, helper, amx_levels, rows, k, n, gguf):
+    """Within float32's bound, as from the levels; a K-quant's d (float16 times a 6-bit scale)
+    and Q8_0's 8-bit levels make more than two pieces, and those weights keep the float32
+    panels."""
+    w = gguf_of(gguf, n, k, seed=rows)
+    k = w.shape[1]
+    found = first_found(w)
+    assert found is not None
+    blocks = ops.pack_blocks(w, found.q, found.d, found.m, found.kind)
+    packed = ops.pack_linear_weight(w)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    got = ops.linear(x, packed, n, blocks, found.kind)
+    assert_within_block_terms_bound(ops, got, x, w, found)
+    pieces = ops.linear_amx() and gguf in ("Q4_0", "Q4_1", "Q5_1")
+    assert torch.equal(got, ops.linear(x, packed, n)) is not pieces
+
+
+@pytest.mark.parametrize("field", ["d", "m"])
+def test_one_scale_past_two_pieces_keeps_the_float_panels(ops, amx_levels, field):
+    """One d of 21 significant bits (or m), where a float16's has 11: its d q is exact in
+    float32 but not in two bfloat16 pieces, so the whole weight takes the float32 panels."""
+    w = gguf_q4_1(64, 576, seed=3)
+    found = find(w, "q4")
+    assert found is not None and found.m is not None
+    x = torch.randn(200, 576, generator=torch.Generator().manual_seed(1))
+    packed = ops.pack_linear_weight(w)
+    blocks = ops.pack_blocks(w, found.q, found.d, found.m, "q4")
+    assert torch.equal(ops.linear(x, packed, 64, blocks, "q4"),
+                       ops.linear(x, packed, 64)) is not ops.linear_amx()  # as found: two pieces
+    scales = {"d": found.d.clone(), "m": found.m.clone()}
+    scales[field][5, 2] *= 1 + 2**-20
+    longer = Blocks("q4", found.q, scales["d"], scales["m"])
+    w = longer.dequantize()
+    blocks = ops.pack_blocks(w, longer.q, longer.d, longer.m, "q4")
+    assert blocks.numel() > 0  # the blocks give back every weight
+    packed = ops.pack_linear_weight(w)
+    assert torch.equal(ops.linear(x, packed, 64, blocks, "q4"), ops.linear(x, packed, 64))
 
 
 def test_amx_levels_switch_is_set_and_read_back(ops):

@@ -250,11 +250,29 @@ def requantized(src: Path, dst: Path, kind: GGMLQuantizationType) -> Path:
     return dst
 
 
-def test_an_engine_of_a_q5_1_gguf_reads_its_blocks_and_matches_hf(tmp_path: Path) -> None:
-    """The shipped model quantized anew to Q5_1, through the engine build as a user's GGUF goes
-    (transformers dequantizes it): every projection reads 5-bit blocks, and greedy output is
-    Hugging Face's on the same file."""
-    gguf = requantized(default_source(), tmp_path / "model.Q5_1.gguf", GGMLQuantizationType.Q5_1)
+# A prompt of more than 128 tokens: its rows compute on AMX tiles from two pieces of each weight
+# (csrc/linear.cpp, LevelPieces) where the CPU has them.
+LONG_TEXT = (
+    "The river town had grown up around a "
+    "mill that ground grain for farms across the valley. When the railway arrived, the mill "
+    "closed, and the town turned to making furniture from the oak forests on the hills. For a "
+    "century the workshops prospered, shipping chairs and tables to cities along the coast. "
+    "Then the forests thinned, the workshops shut one by one, and young people left for jobs "
+    "elsewhere. Today the old mill is a museum, the workshops are studios for painters and "
+    "potters, and visitors come on weekends to walk the river path, buy pottery and eat at the "
+    "cafes that line the square where the market once stood. On the first Saturday of every "
+    "month, the square fills again with stalls selling")
+
+
+@pytest.mark.parametrize("requantize", [None, GGMLQuantizationType.Q5_1], ids=["Q4_1", "Q5_1"])
+def test_an_engine_of_a_gguf_reads_its_blocks_and_matches_hf(
+        tmp_path: Path, requantize: GGMLQuantizationType | None) -> None:
+    """The shipped model (Q4_1), and quantized anew to Q5_1, through the engine build as a user's
+    GGUF goes (transformers dequantizes it): every projection reads 4- or 5-bit blocks, and greedy
+    output is Hugging Face's on the same file, from prompts of every size."""
+    gguf = default_source()
+    if requantize is not None:
+        gguf = requantized(gguf, tmp_path / f"model.{requantize.name}.gguf", requantize)
     hf, tokenizer = load_hf(gguf)
     write_engine(hf, tokenizer, tmp_path / "engine", EngineLimits(max_seq_len=256), "float32",
                  str(gguf), log=lambda _m: None)
@@ -264,11 +282,13 @@ def test_an_engine_of_a_q5_1_gguf_reads_its_blocks_and_matches_hf(tmp_path: Path
     finally:
         torch.set_num_threads(threads)
     layers = [m for m in engine.runner.model.model.layers.modules() if isinstance(m, Linear)]
-    assert layers and {m.native_kind for m in layers} == {"u8g32"}
-    for text in ("The capital of France is", "def fibonacci(n):",  # the last, prompt rows on
+    assert layers and {m.native_kind for m in layers} == {"u8g32" if requantize else "q4"}
+    for text in ("The capital of France is", "def fibonacci(n):",  # the next, prompt rows on
                  "The old lighthouse keeper found a message in a bottle on the rocks below "
-                 "his tower one morning, and when he opened it he read"):  # AMX from the levels
+                 "his tower one morning, and when he opened it he read",  # AMX from the levels
+                 LONG_TEXT):
         ids = tokenizer(text)["input_ids"]
+        assert (len(ids) > 128) is (text == LONG_TEXT)
         seq = engine.add_request(text, ids, SamplingParams(max_tokens=12))
         while engine.has_unfinished:
             engine.step()

@@ -12,7 +12,9 @@
 // Below 48 tokens (linear.cpp's kAmxRows) calls of float32 weights stay on the AVX-512 kernel:
 // they are bound by reading the weights, which the split does not shorten, and splitting them
 // costs as much as the products. Weights that are GGUF blocks compute from their integer levels
-// instead from 13 to 128 tokens (level_product below): three products, not six, and no split.
+// instead from 13 to 128 tokens (level_product below): three products, not six, and no split;
+// past 128, those whose d q and m are two bfloat16 pieces exactly take five (panel_product's
+// WPieces).
 //
 // The weights stay float32 (linear.cpp's panels). A thread splits the panel after the one it
 // computes between that one's tile products (the vector units split while the tiles multiply),
@@ -89,11 +91,14 @@ inline __m512i pair_bf16(__m512 even, __m512 odd) {
 // x [T, K] row-major -> pieces [3][Tp / 16][Kp / 32][16 rows][32 k] bfloat16, rows padded to Tp
 // (a multiple of 16) and k to Kp (a multiple of 32) with zeros: the A operands of every tile
 // product, each tile's kilobyte contiguous (tile loads striding across rows ran ~10% slower).
+// Into columns of wider pieces, where `stride` (a multiple of 32) is their Kp and out their
+// column Kp's first.
 inline void split_rows(const float* x, int64_t T, int64_t K, uint16_t* out, int64_t Tp,
-                       int64_t Kp) {
-  const int64_t plane = Tp * Kp;
+                       int64_t Kp, int64_t stride = 0) {
+  if (stride == 0) stride = Kp;
+  const int64_t plane = Tp * stride;
   for (int64_t t = 0; t < Tp; ++t) {
-    uint16_t* row = out + (t / RT) * (RT * Kp) + (t % RT) * KT;
+    uint16_t* row = out + (t / RT) * (RT * stride) + (t % RT) * KT;
     for (int64_t k = 0; k < Kp; k += KT) {
       __m512 half[2][kPieces];
       for (int h = 0; h < 2; ++h) {
@@ -146,7 +151,9 @@ struct PanelSplit {
 // Tiles: 4 accumulators (2 row tiles x 2 column tiles), 2 row operands, 2 column operands.
 // Pieces 1: the first pieces' product alone, x0 . w0 (b holds w's first pieces only): a
 // screening estimate within bounds the caller computes (linear.cpp's screen_linear).
-template <int Pieces = kPieces, class Next = PanelSplit>
+// WPieces 2: weights that are two bfloat16 pieces exactly (b holds those two): the five products
+// with w's third piece, zero, left out; the same sums as the six (linear.cpp's LevelPieces).
+template <int Pieces = kPieces, int WPieces = Pieces, class Next = PanelSplit>
 inline void panel_product(const uint16_t* a, int64_t T, int64_t Tp, int64_t Kp,
                           const uint16_t* b, float* dst, int64_t ld, int64_t cols,
                           const Next& next) {
@@ -162,11 +169,12 @@ inline void panel_product(const uint16_t* a, int64_t T, int64_t Tp, int64_t Kp,
     _tile_zero(3);
     const uint16_t* at = a + (t / RT) * (RT * Kp);
     for (int64_t kt = 0; kt < kts; ++kt) {
-      // Each x piece once, against the w pieces it pairs with: 18 tile loads for 24 products,
-      // each operand tile's next load placed after the products that read it last.
+      // Each x piece once, against the w pieces it pairs with: 18 tile loads for 24 products
+      // (16 for 20 of two w pieces), each operand tile's next load placed after the products
+      // that read it last.
       for (int pa = 0; pa < Pieces; ++pa) {
         const uint16_t* ap = at + pa * plane + kt * (RT * KT);
-        for (int pb = 0; pa + pb < Pieces; ++pb) {
+        for (int pb = 0; pa + pb < Pieces && pb < WPieces; ++pb) {
           const uint16_t* bp = b + pb * per_piece + kt * RT * 32;
           _tile_loadd(6, bp, 64);
           if (pb == 0) _tile_loadd(4, ap, 64);
@@ -287,13 +295,13 @@ inline void level_product(const uint16_t* a, int64_t T, int64_t Tp, int64_t Kp,
   next.rows(split_to, Kp);
 }
 
-// Each row's sum over every block of 32 inputs: x [T, K] (K a multiple of 32) -> out [Tp][K / 32],
-// rows from T to Tp zero.
-inline void block_sums(const float* x, int64_t T, int64_t K, float* out, int64_t Tp) {
+// Each row's sum over every block of 32 inputs: x [T, K] (K a multiple of 32) -> out [Tp][K / 32]
+// (rows ld floats apart), rows from T to Tp zero.
+inline void block_sums(const float* x, int64_t T, int64_t K, float* out, int64_t Tp, int64_t ld) {
   const int64_t kts = K / KT;
   for (int64_t t = 0; t < Tp; ++t) {
     for (int64_t kt = 0; kt < kts; ++kt) {
-      out[t * kts + kt] = t < T ? _mm512_reduce_add_ps(_mm512_add_ps(
+      out[t * ld + kt] = t < T ? _mm512_reduce_add_ps(_mm512_add_ps(
                                       _mm512_loadu_ps(x + t * K + kt * KT),
                                       _mm512_loadu_ps(x + t * K + kt * KT + 16)))
                                 : 0.f;

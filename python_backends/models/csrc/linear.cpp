@@ -7,7 +7,8 @@
 // AMX, the same products run on AMX tiles (amx.h) to the same precision. A weight that is exact
 // GGUF blocks (models/weight_blocks.py) or 16-bit floats is packed as such too, and calls of few
 // rows, bound by reading the weight, read those instead: the same float32 values. On AMX, calls
-// of 13 to 128 rows compute from the blocks' integer levels on tiles (amx.h, level_product): to
+// of 13 to 128 rows compute from the blocks' integer levels on tiles (amx.h, level_product), and
+// of more from two bfloat16 pieces of each d q and m where those are exact (LevelPieces): to
 // float32 precision, in another order of sums.
 //
 // The screens and screen_candidates serve greedy rows' LM head (models/greedy_head.py): an
@@ -480,8 +481,11 @@ struct RowBlocks {
   const uint16_t* a;
 };
 
-RowBlocks split_row_blocks(const float* x, int64_t T, int64_t K) {
-  const int64_t Kp = (K + 31) / 32 * 32, piece_row = llm::amx::kPieces * Kp;  // uint16
+// With `extra` [T, E] (E a multiple of 32): the rows of [x | extra], x's columns padded to 32s.
+RowBlocks split_row_blocks(const float* x, int64_t T, int64_t K, const float* extra = nullptr,
+                           int64_t E = 0) {
+  const int64_t Kx = (K + 31) / 32 * 32, Kp = Kx + E;
+  const int64_t piece_row = llm::amx::kPieces * Kp;  // uint16
   const int64_t most = std::max<int64_t>(32, kAmxBlockBytes / (2 * piece_row) / 16 * 16);
   int64_t blocks = (T + most - 1) / most;
   const int64_t block_rows = ((T + blocks - 1) / blocks + 15) / 16 * 16;
@@ -490,7 +494,12 @@ RowBlocks split_row_blocks(const float* x, int64_t T, int64_t K) {
   auto* a = reinterpret_cast<uint16_t*>(pieces.mutable_data_ptr<int16_t>());
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t t0 = b * block_rows, rows = std::min(block_rows, T - t0);
-    llm::amx::split_rows(x + t0 * K, rows, K, a + t0 * piece_row, (rows + 15) / 16 * 16, Kp);
+    const int64_t Tp = (rows + 15) / 16 * 16;
+    llm::amx::split_rows(x + t0 * K, rows, K, a + t0 * piece_row, Tp, Kx, Kp);
+    if (E > 0) {
+      llm::amx::split_rows(extra + t0 * E, rows, E, a + t0 * piece_row + Kx * llm::amx::RT, Tp, E,
+                           Kp);
+    }
   }
   return {Kp, piece_row, blocks, block_rows, pieces, a};
 }
@@ -501,6 +510,9 @@ using PanelsFn = std::function<void(int64_t, int64_t, int64_t, float*, int64_t)>
 
 // Inputs [k0, k1) (even) of a panel's levels q as AMX B operands (amx.h, level_product).
 using ExpandLevels = void (*)(const uint8_t*, int64_t, uint16_t*, int64_t, int64_t);
+// Inputs [k0, k1) (even) of a panel's weights d q in two pieces, with its offsets m beside them
+// (of Ka, K's and the blocks' m padded to 32s; see LevelPieces).
+using ExpandPieces = void (*)(const uint8_t*, int64_t, int64_t, uint16_t*, int64_t, int64_t);
 
 #ifdef LLM_AMX
 // A panel's levels for amx.h's level_product, expanded a slice at a time like PanelSplit.
@@ -514,6 +526,26 @@ struct LevelSplit {
     if (panel != nullptr) fill(panel, K, out, k0, std::min(k1, K));
   }
   void all() const { rows(0, K); }
+};
+
+// Calls of more than kLevelRows rows of a weight of levels with offsets whose every d q and m is
+// two bfloat16 pieces exactly (a float16 d of a 4- or 5-bit q, a float16 m: Q4_0, Q4_1, Q5_0,
+// Q5_1; not a K-quant's 17-bit d): x w = x (d q) + (sum of x) m over each block of 32 inputs,
+// one product of depth K + K / 32 (`extra`, padded to 32s: each row's block sums against the m),
+// five bfloat16 products of x's three pieces and the weight's two where the float32 panels take
+// six, and the B operands expanded from the blocks (0.75 to 1.25 bytes a weight) rather than
+// split from the float32 panels (4). Every product exact and every sum float32, as
+// level_product's, in another order than the float32 panels'.
+struct LevelPieces {
+  ExpandPieces fill = nullptr;
+  const uint8_t* panel = nullptr;  // none: nothing to expand
+  int64_t K = 0, Ka = 0;
+  uint16_t* out = nullptr;
+
+  void rows(int64_t k0, int64_t k1) const {
+    if (panel != nullptr) fill(panel, K, Ka, out, k0, k1);
+  }
+  void all() const { rows(0, Ka); }
 };
 
 // A call's chunks on AMX tiles: each thread computes its chunk's panels in the order it travels
@@ -684,6 +716,8 @@ struct Layout {
   bool offset = false;  // has m
   ExpandLevels expand = nullptr;  // levels of 32-input blocks for AMX tiles, where there are
   int64_t scales_at = 0;          // d [K / group][NR] float32 (then m) from a panel's start
+  ExpandPieces pieces = nullptr;  // d q and m in two pieces for AMX tiles (LevelPieces)
+  int level_bits = 0;             // bits of a level q, where `pieces`
 };
 
 template <class F>
@@ -761,25 +795,88 @@ void expand_levels<U8M<32>>(const uint8_t* panel, int64_t K, uint16_t* out, int6
   }
 }
 
+// LevelPieces' operands: for input k < K, d q of its block in two pieces (each the top bfloat16
+// of what the one before left: exact where two_pieces holds); for K + b, block b's m alike; zeros
+// up to Ka. Laid out as two of PanelSplit's pieces, of depth Ka.
 template <class F>
+void expand_pieces(const uint8_t* panel, int64_t K, int64_t Ka, uint16_t* out, int64_t k0,
+                   int64_t k1) {
+  const F format{K};
+  const int64_t blocks = K / kBlock, per_piece = 2 * Ka * 16;
+  const __m512i top = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  auto weights = [&](int64_t k, __m512 (&w)[2]) {
+    if (k < K) {
+      vec q0, q1;
+      format.levels(panel, k, q0, q1);
+      const auto s = format.block(panel, k / kBlock);
+      w[0] = (__m512)(q0 * s.d0);  // exact: at most 24 significant bits
+      w[1] = (__m512)(q1 * s.d1);
+    } else if (k - K < blocks) {
+      const auto s = format.block(panel, k - K);
+      w[0] = (__m512)s.m0;
+      w[1] = (__m512)s.m1;
+    } else {
+      w[0] = w[1] = _mm512_setzero_ps();
+    }
+  };
+  for (int64_t k = k0; k < k1; k += 2) {
+    __m512 even[2], odd[2];
+    weights(k, even);
+    weights(k + 1, odd);
+    uint16_t* o = out + (k / 32) * 512 + (k / 2 % 16) * 32;
+    for (int g = 0; g < 2; ++g) {
+      const __m512 e = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(even[g]), top));
+      const __m512 d = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(odd[g]), top));
+      _mm512_store_si512(o + g * (Ka * 16), llm::amx::pair_bf16(e, d));
+      _mm512_store_si512(o + g * (Ka * 16) + per_piece,
+                         llm::amx::pair_bf16(_mm512_sub_ps(even[g], e), _mm512_sub_ps(odd[g], d)));
+    }
+  }
+}
+
+// kLevelBits: the bits of a level q, for layouts with offsets read as LevelPieces (0: not).
+template <class F, int kLevelBits = 0>
 Layout level_layout(int64_t K, bool offset) {
   static_assert(F::kGroup == llm::amx::KT, "levels for tiles come in blocks of 32 inputs");
   Layout l = layout<F>(K, offset);
   l.expand = expand_levels<F>;
   l.scales_at = F{K}.scales_at();
+  if constexpr (kLevelBits > 0) {
+    l.pieces = expand_pieces<F>;
+    l.level_bits = kLevelBits;
+  }
   return l;
 }
+
+// Whether every d q and m of P panels of blocks in layout l is two bfloat16 pieces exactly (16
+// significant bits at most): each d of at most 16 - level_bits (its low 8 + level_bits bits zero),
+// each m of at most 16 (low 8 zero). A scan of the scales alone, a thirty-second of the weights:
+// microseconds, against the milliseconds of a call of more than kLevelRows rows.
+bool two_pieces(const uint8_t* blocks, int64_t P, const Layout& l, int64_t K) {
+  const int64_t per_scale = K / l.group * NR;  // floats of d (and again of m) a panel
+  const __m512i d_low = _mm512_set1_epi32((1 << (8 + l.level_bits)) - 1);
+  const __m512i m_low = _mm512_set1_epi32((1 << 8) - 1);
+  __mmask16 bad = 0;
+  for (int64_t p = 0; p < P; ++p) {
+    const auto* d = reinterpret_cast<const int32_t*>(blocks + p * l.bytes + l.scales_at);
+    for (int64_t i = 0; i < per_scale; i += 16) {
+      bad |= _mm512_test_epi32_mask(_mm512_loadu_si512(d + i), d_low);
+      bad |= _mm512_test_epi32_mask(_mm512_loadu_si512(d + per_scale + i), m_low);
+    }
+  }
+  return bad == 0;
+}
 #else
-template <class F>
+template <class F, int = 0>
 Layout level_layout(int64_t K, bool offset) {
   return layout<F>(K, offset);
 }
 #endif
 
 Layout layout_of(const std::string& kind, int64_t K) {
-  if (kind == "q4") return level_layout<Q41>(K, true);
+  if (kind == "q4") return level_layout<Q41, 4>(K, true);
   if (kind == "q8") return level_layout<Q80>(K, false);
-  if (kind == "u8g32") return level_layout<U8M<32>>(K, true);
+  if (kind == "u8g32") return level_layout<U8M<32>, 5>(K, true);
   if (kind == "u8g16") return layout<U8M<16>>(K, true);
   if (kind == "bf16") return layout<BF16>(K, false);
   if (kind == "f16") return layout<F16>(K, false);
@@ -900,8 +997,9 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n,
     keep.push_back(*blocks);
   }
 #ifdef LLM_AMX
-  const bool levels = has_blocks && l.expand != nullptr && T > kBlockRows && T <= kLevelRows &&
-                      amx_levels.load(std::memory_order_relaxed) && linear_amx();
+  const bool on_levels = has_blocks && amx_levels.load(std::memory_order_relaxed) && linear_amx();
+  const bool levels = on_levels && l.expand != nullptr && T > kBlockRows && T <= kLevelRows;
+  const bool pieces = on_levels && l.pieces != nullptr && T > kLevelRows && two_pieces(bp, P, l, K);
 #else
   const bool levels = false;
 #endif
@@ -915,14 +1013,32 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n,
   }
 #ifdef LLM_AMX
   if (levels || (T >= kAmxRows && linear_amx())) {
-    const RowBlocks rb = split_row_blocks(xp, T, K);
+    // LevelPieces: each row's block sums beside its inputs, [T, E]
+    const int64_t E = pieces ? (K / kBlock + 31) / 32 * 32 : 0;
+    at::Tensor beside = pieces ? at::zeros({T, E}, x.options()) : at::Tensor();
+    if (pieces) llm::amx::block_sums(xp, T, K, beside.mutable_data_ptr<float>(), T, E);
+    const RowBlocks rb =
+        split_row_blocks(xp, T, K, pieces ? beside.const_data_ptr<float>() : nullptr, E);
     keep.push_back(rb.pieces);
     row_blocks = rb.blocks;
     block_rows = rb.block_rows;
     const int64_t Kp = rb.Kp;
-    if (levels) {
+    if (pieces) {
+      flops_per_s = 6 * 150e9 * 6 / 5;  // five bfloat16 products for each float32 one
+      compute = amx_panels(
+          rb, T, P, n, 2 * 2 * Kp * 16,
+          [=](int64_t p, uint16_t* out) {
+            return LevelPieces{l.pieces, bp + p * l.bytes, K, Kp, out};
+          },
+          [=](const uint16_t* ra, int64_t, int64_t rows, int64_t Tp, int64_t, const uint16_t* b,
+              float* dst, int64_t ld, int64_t cols, const LevelPieces& next) {
+            llm::amx::panel_product<llm::amx::kPieces, 2>(ra, rows, Tp, Kp, b, dst, ld, cols,
+                                                           next);
+          });
+    } else if (levels) {
       at::Tensor sums = at::empty({row_blocks * block_rows, Kp / llm::amx::KT}, x.options());
-      llm::amx::block_sums(xp, T, K, sums.mutable_data_ptr<float>(), row_blocks * block_rows);
+      llm::amx::block_sums(xp, T, K, sums.mutable_data_ptr<float>(), row_blocks * block_rows,
+                           Kp / llm::amx::KT);
       keep.push_back(sums);
       const float* sp = sums.const_data_ptr<float>();
       flops_per_s = 200e9;  // three bfloat16 products a float32 one, and each block's scaling
