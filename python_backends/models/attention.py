@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -151,8 +152,43 @@ def paged_attention(
     """
     if meta.decode is not None and not meta.prefills:  # every token a decode, in step order
         return decode_attention(q, cache, meta.decode, scale, softcap)
-    out = torch.empty_like(q)
-    for span in meta.prefills:
+    tiles = prompt_attention_on_tiles(q, softcap)
+    if tiles is not None:
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        _prompts_on_tiles(tiles, q, k, v, cache, meta.prefills, scale, out)
+    else:
+        out = torch.empty_like(q)
+        _prompts_in_sdpa(q, k, v, cache, meta.prefills, scale, softcap, out)
+    if meta.decode is not None:
+        d = meta.decode
+        out[d.token_index] = decode_attention(q[d.token_index], cache, d, scale, softcap)
+    return out
+
+
+def _prompts_on_tiles(kernel: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      cache: torch.Tensor, spans: tuple[PrefillSpan, ...], scale: float,
+                      out: torch.Tensor) -> None:
+    """Every prompt's rows of `out` in one native call (prompt_attention_on_tiles)."""
+    keys, values, masks, bounds = [], [], [], []
+    for span in spans:
+        bounds += [span.start, span.end]
+        if span.mask is None:  # nothing cached before: this step's K/V
+            keys.append(k[span.start : span.end])
+            values.append(v[span.start : span.end])
+            masks.append(_NO_MASK)
+        else:
+            keys.append(cache[0].index_select(0, span.context_slots))
+            values.append(cache[1].index_select(0, span.context_slots))
+            masks.append(span.mask)
+    kernel(q, out, bounds, keys, values, masks, scale)
+
+
+def _prompts_in_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
+                     spans: tuple[PrefillSpan, ...], scale: float, softcap: float,
+                     out: torch.Tensor) -> None:
+    """Every prompt's rows of `out`, one torch SDPA call each."""
+    for span in spans:
         # [1, H, n, D]: batched 4-D operands take torch's flash kernel on the CPU, which is
         # much faster than the math fallback that 3-D operands get.
         qs = q[span.start : span.end].transpose(0, 1).unsqueeze(0)
@@ -165,10 +201,19 @@ def paged_attention(
             vs = cache[1].index_select(0, span.context_slots).transpose(0, 1).unsqueeze(0)
             o = sdpa(qs, ks, vs, span.mask, scale, softcap)
         out[span.start : span.end] = o[0].transpose(0, 1)
-    if meta.decode is not None:
-        d = meta.decode
-        out[d.token_index] = decode_attention(q[d.token_index], cache, d, scale, softcap)
-    return out
+
+
+_NO_MASK = torch.empty(0, dtype=torch.bool)
+
+
+def prompt_attention_on_tiles(q: torch.Tensor, softcap: float) -> Any | None:
+    """The native kernel for prompts' attention on AMX tiles (csrc/prompt_attention.cpp) where it
+    computes these queries: float32 on a CPU with tiles, no softcap, a head size in 32s. The
+    native decoder stack (csrc/decoder_stack.cpp) takes it under the same conditions, so both
+    paths give the same bits."""
+    if q.device.type != "cpu" or q.dtype != torch.float32 or softcap or q.shape[-1] % 32:
+        return None
+    return kernels.prompt_attention()
 
 
 def decode_attention(q: torch.Tensor, cache: torch.Tensor, d: DecodeBatch,

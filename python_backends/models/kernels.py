@@ -184,6 +184,14 @@ def paged_decode_attention() -> Any | None:
     return torch.ops.llm_kernels.paged_decode_attention if load() else None
 
 
+def prompt_attention() -> Any | None:
+    """torch.ops.llm_kernels.prompt_attention (csrc/prompt_attention.cpp: prompts' attention on
+    AMX tiles), or None where the kernels are not loaded or the CPU has no tiles."""
+    if not load() or not torch.ops.llm_kernels.prompt_attention_amx():
+        return None
+    return torch.ops.llm_kernels.prompt_attention
+
+
 def layer_ops(x: torch.Tensor) -> Any | None:
     """torch.ops.llm_kernels, whose rms_norm, add_rms_norm, rope_write_kv and silu_mul compute
     the float32 work between a layer's projections (csrc/layer_ops.cpp), where `x` is a float32

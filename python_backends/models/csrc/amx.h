@@ -153,11 +153,13 @@ struct PanelSplit {
 // screening estimate within bounds the caller computes (linear.cpp's screen_linear).
 // WPieces 2: weights that are two bfloat16 pieces exactly (b holds those two): the five products
 // with w's third piece, zero, left out; the same sums as the six (linear.cpp's LevelPieces).
+// Kb: the depth b was split at (PanelSplit's Kp), where the product reads only its first Kp.
 template <int Pieces = kPieces, int WPieces = Pieces, class Next = PanelSplit>
 inline void panel_product(const uint16_t* a, int64_t T, int64_t Tp, int64_t Kp,
                           const uint16_t* b, float* dst, int64_t ld, int64_t cols,
-                          const Next& next) {
-  const int64_t plane = Tp * Kp, per_piece = 2 * Kp * 16, kts = Kp / KT;
+                          const Next& next, int64_t Kb = 0) {
+  if (Kb == 0) Kb = Kp;
+  const int64_t plane = Tp * Kp, per_piece = 2 * Kb * 16, kts = Kp / KT;
   const int64_t steps = (Tp + 2 * RT - 1) / (2 * RT) * kts;
   int64_t step = 0, split_to = 0;
   alignas(64) float edge[2 * RT][32];
@@ -183,7 +185,7 @@ inline void panel_product(const uint16_t* a, int64_t T, int64_t Tp, int64_t Kp,
             if (pb == 0) _tile_loadd(5, ap + RT * Kp, 64);
             _tile_dpbf16ps(2, 5, 6);
           }
-          _tile_loadd(7, bp + Kp * 16, 64);
+          _tile_loadd(7, bp + Kb * 16, 64);
           _tile_dpbf16ps(1, 4, 7);
           if (two) _tile_dpbf16ps(3, 5, 7);
         }

@@ -8,9 +8,9 @@
 // Python and dispatch whatever its size: at one sequence about a third of a decode step on the
 // engine thread, work the idle-CPU helper cannot share. Here the step calls the same native
 // kernels (ops.h) directly, in the same order on the same operands, so the results are the
-// Python path's bit for bit; prompts' attention goes through the same torch operators
-// (index_select and scaled_dot_product_attention) as there, a chunk a prompt shared with the
-// idle-CPU helper.
+// Python path's bit for bit; prompts' attention goes through the same operators as there
+// (index_select, then prompt_attention.cpp's tiles on AMX, else scaled_dot_product_attention a
+// chunk a prompt shared with the idle-CPU helper).
 //
 // Built and loaded by python_backends/models/kernels.py (for the machine it runs on).
 #include <ATen/ATen.h>
@@ -132,10 +132,11 @@ class DecoderStack : public torch::CustomClassHolder {
   }
 
  private:
-  // models/attention.py's paged_attention without a softcap, step for step, except that the
-  // prompts' attention is a chunk a prompt, which the engine thread shares with the idle-CPU
-  // helper (idle_helper.h). (Not finer: torch's CPU flash kernel over some heads of a prompt
-  // does not always round as over all of them.)
+  // models/attention.py's paged_attention without a softcap, step for step: prompts on AMX
+  // tiles where it takes them there (prompt_attention.cpp), else through torch's SDPA a chunk a
+  // prompt, which the engine thread shares with the idle-CPU helper (idle_helper.h). (Not finer:
+  // torch's CPU flash kernel over some heads of a prompt does not always round as over all of
+  // them.)
   at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& qkv,
                        const at::Tensor& cache, const at::Tensor& decode_index,
                        const at::Tensor& decode_slots, const at::Tensor& decode_lens,
@@ -147,6 +148,39 @@ class DecoderStack : public torch::CustomClassHolder {
     const int64_t T = q.size(0), H = H_, K = K_, D = D_;
     const at::Tensor v = qkv.slice(1, (H + K) * D).view({T, K, D});
     at::Tensor out = at::empty_like(q);
+    if (q.scalar_type() == at::kFloat && D % 32 == 0 && llm::prompt_attention_amx()) {
+      // On AMX tiles, as models/attention.py's prompt_attention_on_tiles takes them.
+      std::vector<at::Tensor> keys, values, masks;
+      for (size_t i = 0; i < span_slots.size(); ++i) {
+        const int64_t start = spans[2 * i], end = spans[2 * i + 1];
+        if (!span_masks[i].defined() || span_masks[i].numel() == 0) {  // nothing cached before
+          keys.push_back(k.slice(0, start, end));
+          values.push_back(v.slice(0, start, end));
+          masks.emplace_back();
+        } else {
+          keys.push_back(cache[0].index_select(0, span_slots[i]));
+          values.push_back(cache[1].index_select(0, span_slots[i]));
+          masks.push_back(span_masks[i]);
+        }
+      }
+      llm::prompt_attention(q, out, spans, keys, values, masks, scale_);
+    } else {
+      sdpa_prompts(q, k, v, cache, spans, span_slots, span_masks, out);
+    }
+    if (decodes) {
+      const at::Tensor rows = q.index_select(0, decode_index).contiguous();
+      out.index_put_({decode_index},
+                     llm::paged_decode_attention(rows, cache, decode_slots, decode_lens, scale_));
+    }
+    return out;
+  }
+
+  // The prompts' rows of out through torch's scaled_dot_product_attention, a chunk a prompt.
+  void sdpa_prompts(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                    const at::Tensor& cache, const std::vector<int64_t>& spans,
+                    const std::vector<at::Tensor>& span_slots,
+                    const std::vector<at::Tensor>& span_masks, at::Tensor& out) const {
+    const int64_t H = H_, D = D_;
     // Each prompt's rows, mask (undefined: causal over this step's keys and values alone) and
     // keys and values [1, K, n, D]: this step's, or its cached context's.
     std::vector<std::tuple<int64_t, int64_t, at::Tensor, at::Tensor, at::Tensor>> prompts;
@@ -186,12 +220,6 @@ class DecoderStack : public torch::CustomClassHolder {
     };
     job.keep = {q, out};
     llm::run(std::move(job));
-    if (decodes) {
-      const at::Tensor rows = q.index_select(0, decode_index).contiguous();
-      out.index_put_({decode_index},
-                     llm::paged_decode_attention(rows, cache, decode_slots, decode_lens, scale_));
-    }
-    return out;
   }
 
   std::vector<Layer> layers_;

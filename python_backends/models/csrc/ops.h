@@ -8,6 +8,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <vector>
 
 namespace llm {
 
@@ -27,5 +28,12 @@ at::Tensor silu_mul(const at::Tensor& gate_up);
 // paged_attention.cpp: one query row per decoding sequence over its cached context.
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& cache,
                                   const at::Tensor& slots, const at::Tensor& lens, double scale);
+
+// prompt_attention.cpp: prompts' attention on AMX tiles (where prompt_attention_amx()), into
+// their rows of out; keys and values [L, K, D] a prompt, masks [n, L] bool (empty: causal).
+bool prompt_attention_amx();
+void prompt_attention(const at::Tensor& q, at::Tensor& out, const std::vector<int64_t>& spans,
+                      const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
+                      const std::vector<at::Tensor>& masks, double scale);
 
 }  // namespace llm
