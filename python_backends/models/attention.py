@@ -166,21 +166,28 @@ def paged_attention(
     return out
 
 
+def span_kv(span: PrefillSpan, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """What a prompt's queries attend over: [L, K, D] keys and values, and its mask [n, L]
+    (PrefillSpan.mask). With nothing cached before (no mask: causal) this step's own, else the
+    context's, gathered from the cache with this step's at its end."""
+    if span.mask is None:
+        return k[span.start : span.end], v[span.start : span.end], None
+    return (cache[0].index_select(0, span.context_slots),
+            cache[1].index_select(0, span.context_slots), span.mask)
+
+
 def _prompts_on_tiles(kernel: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       cache: torch.Tensor, spans: tuple[PrefillSpan, ...], scale: float,
                       out: torch.Tensor) -> None:
     """Every prompt's rows of `out` in one native call (prompt_attention_on_tiles)."""
     keys, values, masks, bounds = [], [], [], []
     for span in spans:
+        ks, vs, mask = span_kv(span, k, v, cache)
         bounds += [span.start, span.end]
-        if span.mask is None:  # nothing cached before: this step's K/V
-            keys.append(k[span.start : span.end])
-            values.append(v[span.start : span.end])
-            masks.append(_NO_MASK)
-        else:
-            keys.append(cache[0].index_select(0, span.context_slots))
-            values.append(cache[1].index_select(0, span.context_slots))
-            masks.append(span.mask)
+        keys.append(ks)
+        values.append(vs)
+        masks.append(_NO_MASK if mask is None else mask)
     kernel(q, out, bounds, keys, values, masks, scale)
 
 
@@ -189,17 +196,12 @@ def _prompts_in_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: t
                      out: torch.Tensor) -> None:
     """Every prompt's rows of `out`, one torch SDPA call each."""
     for span in spans:
-        # [1, H, n, D]: batched 4-D operands take torch's flash kernel on the CPU, which is
+        # [1, heads, n, D]: batched 4-D operands take torch's flash kernel on the CPU, which is
         # much faster than the math fallback that 3-D operands get.
-        qs = q[span.start : span.end].transpose(0, 1).unsqueeze(0)
-        if span.mask is None:  # nothing cached before: use this step's K/V directly
-            ks = k[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, K, n, D]
-            vs = v[span.start : span.end].transpose(0, 1).unsqueeze(0)
-            o = sdpa(qs, ks, vs, None, scale, softcap, causal=True)
-        else:
-            ks = cache[0].index_select(0, span.context_slots).transpose(0, 1).unsqueeze(0)
-            vs = cache[1].index_select(0, span.context_slots).transpose(0, 1).unsqueeze(0)
-            o = sdpa(qs, ks, vs, span.mask, scale, softcap)
+        ks, vs, mask = span_kv(span, k, v, cache)
+        qs, ks, vs = (t.transpose(0, 1).unsqueeze(0)
+                      for t in (q[span.start : span.end], ks, vs))
+        o = sdpa(qs, ks, vs, mask, scale, softcap, causal=mask is None)
         out[span.start : span.end] = o[0].transpose(0, 1)
 
 

@@ -152,16 +152,10 @@ class DecoderStack : public torch::CustomClassHolder {
       // On AMX tiles, as models/attention.py's prompt_attention_on_tiles takes them.
       std::vector<at::Tensor> keys, values, masks;
       for (size_t i = 0; i < span_slots.size(); ++i) {
-        const int64_t start = spans[2 * i], end = spans[2 * i + 1];
-        if (!span_masks[i].defined() || span_masks[i].numel() == 0) {  // nothing cached before
-          keys.push_back(k.slice(0, start, end));
-          values.push_back(v.slice(0, start, end));
-          masks.emplace_back();
-        } else {
-          keys.push_back(cache[0].index_select(0, span_slots[i]));
-          values.push_back(cache[1].index_select(0, span_slots[i]));
-          masks.push_back(span_masks[i]);
-        }
+        auto [ks, vs, mask] = span_kv(i, k, v, cache, spans, span_slots, span_masks);
+        keys.push_back(std::move(ks));
+        values.push_back(std::move(vs));
+        masks.push_back(std::move(mask));
       }
       llm::prompt_attention(q, out, spans, keys, values, masks, scale_);
     } else {
@@ -175,6 +169,21 @@ class DecoderStack : public torch::CustomClassHolder {
     return out;
   }
 
+  // What prompt i's queries attend over, as models/attention.py's span_kv: keys and values
+  // [L, K, D] and its mask [n, L]; with nothing cached before (mask undefined: causal) this
+  // step's own, else the context's from the cache.
+  static std::tuple<at::Tensor, at::Tensor, at::Tensor> span_kv(
+      size_t i, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cache,
+      const std::vector<int64_t>& spans, const std::vector<at::Tensor>& span_slots,
+      const std::vector<at::Tensor>& span_masks) {
+    const at::Tensor& mask = span_masks[i];
+    if (!mask.defined() || mask.numel() == 0)
+      return {k.slice(0, spans[2 * i], spans[2 * i + 1]),
+              v.slice(0, spans[2 * i], spans[2 * i + 1]), at::Tensor()};
+    return {cache[0].index_select(0, span_slots[i]), cache[1].index_select(0, span_slots[i]),
+            mask};
+  }
+
   // The prompts' rows of out through torch's scaled_dot_product_attention, a chunk a prompt.
   void sdpa_prompts(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                     const at::Tensor& cache, const std::vector<int64_t>& spans,
@@ -185,17 +194,9 @@ class DecoderStack : public torch::CustomClassHolder {
     // keys and values [1, K, n, D]: this step's, or its cached context's.
     std::vector<std::tuple<int64_t, int64_t, at::Tensor, at::Tensor, at::Tensor>> prompts;
     for (size_t i = 0; i < span_slots.size(); ++i) {
-      const int64_t start = spans[2 * i], end = spans[2 * i + 1];
-      const at::Tensor& mask = span_masks[i];
-      if (!mask.defined() || mask.numel() == 0) {  // nothing cached before
-        prompts.emplace_back(start, end, at::Tensor(),
-                             k.slice(0, start, end).transpose(0, 1).unsqueeze(0),
-                             v.slice(0, start, end).transpose(0, 1).unsqueeze(0));
-      } else {
-        prompts.emplace_back(start, end, mask,
-                             cache[0].index_select(0, span_slots[i]).transpose(0, 1).unsqueeze(0),
-                             cache[1].index_select(0, span_slots[i]).transpose(0, 1).unsqueeze(0));
-      }
+      const auto [ks, vs, mask] = span_kv(i, k, v, cache, spans, span_slots, span_masks);
+      prompts.emplace_back(spans[2 * i], spans[2 * i + 1], mask,
+                           ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0));
     }
     llm::Job job;
     job.chunks = static_cast<int64_t>(prompts.size());
