@@ -35,6 +35,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace llm::amx {
 
@@ -42,6 +43,21 @@ constexpr int64_t KT = 32;  // k per tile row: 16 pairs of bfloat16 (64 bytes)
 constexpr int64_t RT = 16;  // rows per tile
 constexpr int kPieces = 3;
 // The six products kept pair x piece pa with w piece pb where pa + pb < 3.
+
+// Scratch a thread keeps from call to call, 64-byte aligned: a tile load whose rows straddle
+// cache lines runs at half speed.
+struct alignas(64) Line {
+  uint16_t v[32];
+};
+
+// At least `count` T at the start of `lines`, grown as needed (the contents do not survive a
+// growth).
+template <class T>
+T* scratch(std::vector<Line>& lines, int64_t count) {
+  const int64_t need = (count * static_cast<int64_t>(sizeof(T)) + 63) / 64;
+  if (static_cast<int64_t>(lines.size()) < need) lines.resize(need);
+  return reinterpret_cast<T*>(lines.data());
+}
 
 // Linux gives a process AMX state only on request (arch_prctl, once per process; a fork
 // inherits it). False where refused (an old kernel, or a signal stack too small for the state).

@@ -433,25 +433,18 @@ constexpr int64_t kLevelRows = 128;
 constexpr int64_t kAmxBlockBytes = 1 << 20;
 
 #ifdef LLM_AMX
-// A thread's two buffers of split weight panels (amx.h's B operands, 64-byte aligned: a tile
-// load whose rows straddle cache lines runs at half speed), and which panel of which call one of
-// them holds already.
+// A thread's two buffers of split weight panels (amx.h's B operands, in its aligned scratch),
+// and which panel of which call one of them holds already.
 struct SplitPanels {
-  struct alignas(64) Line {
-    uint16_t v[32];
-  };
-  std::vector<Line> lines;
+  std::vector<llm::amx::Line> lines;
   uint16_t* b[2] = {};
   uint64_t call = 0;
   int64_t panel = -1;
   int which = 0;
 
-  void reserve(int64_t per_panel) {  // uint16 per split panel, a multiple of 32
-    if (static_cast<int64_t>(lines.size()) < 2 * per_panel / 32) {
-      lines.resize(2 * per_panel / 32);
-      call = 0;
-    }
-    b[0] = lines.data()->v;
+  void reserve(int64_t per_panel) {  // uint16 per split panel, a multiple of 32 (64 bytes)
+    if (static_cast<int64_t>(lines.size()) * 32 < 2 * per_panel) call = 0;  // about to grow
+    b[0] = llm::amx::scratch<uint16_t>(lines, 2 * per_panel);
     b[1] = b[0] + per_panel;
   }
   int holds(uint64_t c, int64_t p) const { return c == call && p == panel ? which : -1; }

@@ -35,19 +35,6 @@ namespace amx = llm::amx;
 
 constexpr int64_t kRows = 2 * amx::RT;  // query rows a pass: two row tiles
 
-// 64-byte aligned scratch that a thread keeps from chunk to chunk (tile loads whose rows
-// straddle cache lines run at half speed).
-struct alignas(64) Line {
-  uint16_t v[32];
-};
-
-template <class T>
-T* scratch(std::vector<Line>& lines, int64_t count) {
-  const int64_t need = (count * static_cast<int64_t>(sizeof(T)) + 63) / 64;
-  if (static_cast<int64_t>(lines.size()) < need) lines.resize(need);
-  return reinterpret_cast<T*>(lines.data());
-}
-
 // One prompt: its rows [start, end) of the step's queries, its keys and values [L, K, D]
 // (contiguous), and which keys each query sees: mask [n, L] (bool), or where undefined query i
 // sees keys [0, L - n + i] (causal, the queries the last n of the L).
@@ -107,14 +94,14 @@ void attend(const at::Tensor& q, const Prompt& p, int64_t g, int64_t G, float sc
   const int64_t Lp = (L + 31) / 32 * 32, kpanels = Lp / 32, vpanels = D / 32;
   const int64_t kpiece = amx::kPieces * 2 * D * 16;   // uint16 of a key panel's pieces
   const int64_t vpiece = amx::kPieces * 2 * Lp * 16;  // a value panel's
-  thread_local std::vector<Line> kb_, vb_, panel_, qrows_, a_, s_, pa_, o_;
-  uint16_t* kb = scratch<uint16_t>(kb_, kpanels * kpiece);
-  uint16_t* vb = scratch<uint16_t>(vb_, vpanels * vpiece);
+  thread_local std::vector<amx::Line> kb_, vb_, panel_, qrows_, a_, s_, sums_, o_;
+  uint16_t* kb = amx::scratch<uint16_t>(kb_, kpanels * kpiece);
+  uint16_t* vb = amx::scratch<uint16_t>(vb_, vpanels * vpiece);
   // The keys as B operands: 32 keys a panel, [D][32] floats, split; the values alike, D / 32
   // panels of [Lp][32].
   const float* kp = p.keys.const_data_ptr<float>() + g * D;
   const float* vp = p.values.const_data_ptr<float>() + g * D;
-  float* panel = scratch<float>(panel_, std::max(D, Lp) * 32);
+  float* panel = amx::scratch<float>(panel_, std::max(D, Lp) * 32);
   for (int64_t c = 0; c < kpanels; ++c) {
     for (int64_t k = 0; k < D; ++k) {
       for (int64_t j = 0; j < 32; ++j) {
@@ -131,36 +118,42 @@ void attend(const at::Tensor& q, const Prompt& p, int64_t g, int64_t G, float sc
     amx::PanelSplit{panel, L, Lp, vb + c * vpiece}.all();
   }
   // Each head's queries, contiguous [n][D].
-  float* qrows = scratch<float>(qrows_, n * D);
-  uint16_t* a = scratch<uint16_t>(a_, amx::kPieces * kRows * std::max(D, Lp));
-  float* s = scratch<float>(s_, kRows * Lp);
-  float* o = scratch<float>(o_, kRows * D);
-  float* sums = scratch<float>(pa_, kRows);
+  float* qrows = amx::scratch<float>(qrows_, n * D);
+  uint16_t* a = amx::scratch<uint16_t>(a_, amx::kPieces * kRows * std::max(D, Lp));
+  float* s = amx::scratch<float>(s_, kRows * Lp);
+  float* o = amx::scratch<float>(o_, kRows * D);
+  float* sums = amx::scratch<float>(sums_, kRows);
   const float* qp = q.const_data_ptr<float>();
   const int64_t qld = q.stride(0);
   const bool* mask = p.mask.defined() ? p.mask.const_data_ptr<bool>() : nullptr;
   const amx::PanelSplit none;
+  // Each pass's width of scores, the same for every head: the keys its rows see at most (up to
+  // the last row's own, causal, or the mask's last), in 32s.
+  std::vector<int64_t> widths;
+  for (int64_t r0 = 0; r0 < n; r0 += kRows) {
+    const int64_t rows = std::min(kRows, n - r0);
+    int64_t seen = 0;
+    if (mask == nullptr) {
+      seen = L - n + r0 + rows;
+    } else {
+      for (int64_t i = r0; i < r0 + rows; ++i) {
+        for (int64_t j = L - 1; j >= seen; --j) {
+          if (mask[i * L + j]) {
+            seen = j + 1;
+            break;
+          }
+        }
+      }
+    }
+    widths.push_back(std::max<int64_t>(32, (seen + 31) / 32 * 32));
+  }
   for (int64_t h = 0; h < G; ++h) {
     const int64_t head = g * G + h;
     for (int64_t i = 0; i < n; ++i)
       std::copy_n(qp + (p.start + i) * qld + head * D, D, qrows + i * D);
     for (int64_t r0 = 0; r0 < n; r0 += kRows) {
       const int64_t rows = std::min(kRows, n - r0), Tp = (rows + 15) / 16 * 16;
-      // The keys the rows see at most: up to the last row's own (causal), or the mask's last.
-      int64_t seen = 0;
-      if (mask == nullptr) {
-        seen = L - n + r0 + rows;
-      } else {
-        for (int64_t i = r0; i < r0 + rows; ++i) {
-          for (int64_t j = L - 1; j >= seen; --j) {
-            if (mask[i * L + j]) {
-              seen = j + 1;
-              break;
-            }
-          }
-        }
-      }
-      const int64_t width = std::max<int64_t>(32, (seen + 31) / 32 * 32);
+      const int64_t width = widths[r0 / kRows];
       amx::split_rows(qrows + r0 * D, rows, D, a, Tp, D);
       for (int64_t c = 0; c < width / 32; ++c)
         amx::panel_product(a, rows, Tp, D, kb + c * kpiece, s + c * 32, width, 32, none);
