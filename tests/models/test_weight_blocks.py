@@ -253,15 +253,14 @@ def requantized(src: Path, dst: Path, kind: GGMLQuantizationType) -> Path:
 # A prompt of more than 128 tokens: its rows compute on AMX tiles from two pieces of each weight
 # (csrc/linear.cpp, LevelPieces) where the CPU has them.
 LONG_TEXT = (
-    "The river town had grown up around a "
-    "mill that ground grain for farms across the valley. When the railway arrived, the mill "
-    "closed, and the town turned to making furniture from the oak forests on the hills. For a "
-    "century the workshops prospered, shipping chairs and tables to cities along the coast. "
-    "Then the forests thinned, the workshops shut one by one, and young people left for jobs "
-    "elsewhere. Today the old mill is a museum, the workshops are studios for painters and "
-    "potters, and visitors come on weekends to walk the river path, buy pottery and eat at the "
-    "cafes that line the square where the market once stood. On the first Saturday of every "
-    "month, the square fills again with stalls selling")
+    "The river town had grown up around a mill that ground grain for farms across the valley. When "
+    "the railway arrived, the mill closed, and the town turned to making furniture from the oak "
+    "forests on the hills. For a century the workshops prospered, shipping chairs and tables to "
+    "cities along the coast. Then the forests thinned, the workshops shut one by one, and young "
+    "people left for jobs elsewhere. Today the old mill is a museum, the workshops are studios for "
+    "painters and potters, and visitors come on weekends to walk the river path, buy pottery and "
+    "eat at the cafes that line the square where the market once stood. On the first Saturday of "
+    "every month, the square fills again with stalls selling")
 
 
 @pytest.mark.parametrize("requantize", [None, GGMLQuantizationType.Q5_1], ids=["Q4_1", "Q5_1"])
