@@ -49,7 +49,6 @@ import csv
 import json
 import os
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -67,6 +66,7 @@ from python_backends.bench.breakdown import (
     server_pid,
     snapshot,
 )
+from python_backends.bench.matrix import median_ratios, round_ratios
 from python_backends.bench.vllm_peer import VllmServer, bench_serve, ensure_env, export_checkpoint
 from python_backends.config import DEFAULT_ENGINE_DIR, PROJECT_ROOT
 from python_backends.gateway.config import PIPELINES
@@ -534,38 +534,6 @@ def print_tables(rows: list[dict[str, Any]], ours: str, peer: str | None) -> Non
         if n > 1:
             print(f"  c={c}, median of {n} rounds: throughput x{throughput:.2f}, TTFT p95 "
                   f"x{ttft:.2f}, ITL p50 x{itl:.2f}")
-
-
-Ratios = tuple[float, float, float]  # ours / peer: throughput, TTFT p95, ITL p50
-
-
-def round_ratios(rows: list[dict[str, Any]], ours: str, peer: str
-                 ) -> dict[tuple[int, int], Ratios]:
-    """(round, concurrency) -> our figures over the peer's of the same round and level."""
-    theirs = {(r["round"], r["concurrency"]): r for r in rows if r["target"] == peer}
-    out: dict[tuple[int, int], Ratios] = {}
-    for r in rows:
-        p = theirs.get((r["round"], r["concurrency"]))
-        if r["target"] != ours or p is None:
-            continue
-        out[(r["round"], r["concurrency"])] = (
-            r["output_tokens_per_s"] / p["output_tokens_per_s"],
-            r["ttft_p95_ms"] / p["ttft_p95_ms"], r["itl_p50_ms"] / p["itl_p50_ms"])
-    return out
-
-
-def median_ratios(ratios: dict[tuple[int, int], Ratios]
-                  ) -> dict[int, tuple[float, float, float, int]]:
-    """Concurrency -> each ratio's median over the rounds, and how many rounds: on a shared
-    machine one round's baseline can move a ratio by a tenth (docs/benchmarks.md)."""
-    by_level: dict[int, list[Ratios]] = {}
-    for (_, c), one in ratios.items():
-        by_level.setdefault(c, []).append(one)
-    out: dict[int, tuple[float, float, float, int]] = {}
-    for c, rounds in by_level.items():
-        throughput, ttft, itl = (statistics.median(v[i] for v in rounds) for i in range(3))
-        out[c] = (throughput, ttft, itl, len(rounds))
-    return out
 
 
 if __name__ == "__main__":
