@@ -22,7 +22,7 @@ from typing import Any
 
 CLIENTS = ("aiperf", "vllm")
 DATASETS = ("chat", "synthetic")
-OURS, PEER = "ours", "vllm-cpu"
+PEER = "vllm-cpu"  # bench_sweep's name for the peer it starts; ours is the other target
 
 
 Ratios = tuple[float, float, float]  # ours / the peer's: throughput, TTFT p95, ITL p50
@@ -119,7 +119,10 @@ def checks(rows: Sequence[dict[str, Any]], best_path: str) -> list[Check]:
         by_cell[cell_of(row)].append(row)
     found: list[Check] = []
     for cell in sorted(by_cell, key=lambda c: (c.path, c.client, c.dataset)):
-        medians = median_ratios(round_ratios(by_cell[cell], OURS, PEER))
+        ours = {str(r["target"]) for r in by_cell[cell]} - {PEER}
+        if len(ours) > 1:
+            raise ValueError(f"{cell}: one target besides {PEER} expected, found {sorted(ours)}")
+        medians = median_ratios(round_ratios(by_cell[cell], ours.pop(), PEER)) if ours else {}
         for target in TARGETS:
             levels = target.best_levels if cell.path == best_path else target.capped_levels
             for c in sorted(medians):

