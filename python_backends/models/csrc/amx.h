@@ -50,8 +50,8 @@ struct alignas(64) Line {
   uint16_t v[32];
 };
 
-// At least `count` T at the start of `lines`, grown as needed (the contents do not survive a
-// growth).
+// At least `count` T at the start of `lines`, grown as needed (a growth moves them: pointers
+// taken before it are stale).
 template <class T>
 T* scratch(std::vector<Line>& lines, int64_t count) {
   const int64_t need = (count * static_cast<int64_t>(sizeof(T)) + 63) / 64;
