@@ -10,6 +10,8 @@ written to OUT/matrix.json and OUT/matrix.md (a table for docs/benchmarks.md).
 
 A sweep of 1, 8 and 32 takes about 11 minutes on a 2-core machine: 12 of them on a CPU with AMX.
 `--judge` only judges results already measured (any bench_sweep results.json files).
+Exit status: 0 once every cell asked for was measured and judged, missed targets included (a
+miss is a result, printed as MISS); 1 when a sweep failed or nothing could be judged.
 
     python scripts/bench_matrix.py --out-dir /tmp/matrix
     python scripts/bench_matrix.py --paths amx --clients vllm --datasets chat --out-dir /tmp/m
@@ -79,7 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     failed: list[str] = []
     if args.judge:
         for f in args.judge:
-            rows += json.loads(f.read_text())
+            try:
+                rows += json.loads(f.read_text())
+            except (OSError, ValueError) as e:
+                raise SystemExit(f"--judge: cannot read {f}: {e}") from None
     else:
         unable = [p for p in paths if p not in have]
         if unable:

@@ -56,6 +56,7 @@ def test_dry_run_lists_one_capped_sweep_per_cell(script: ModuleType, tmp_path: P
     (["--clients", "genai-perf"], "--clients: one or more of aiperf, vllm"),
     (["--datasets", ""], "--datasets"),
     (["--paths", "sse4"], "--paths"),
+    (["--judge", "/nonexistent/results.json"], "--judge: cannot read /nonexistent/results.json"),
 ])
 def test_bad_options_are_named(script: ModuleType, argv: list[str], message: str) -> None:
     with pytest.raises(SystemExit, match=message):
