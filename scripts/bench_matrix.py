@@ -10,8 +10,8 @@ written to OUT/matrix.json and OUT/matrix.md (a table for docs/benchmarks.md).
 
 A sweep of 1, 8 and 32 takes about 11 minutes on a 2-core machine: 12 of them on a CPU with AMX.
 `--judge` only judges results already measured (any bench_sweep results.json files).
-Exit status: 0 once every cell asked for was measured and judged, missed targets included (a
-miss is a result, printed as MISS); 1 when a sweep failed or nothing could be judged.
+Exit status: 1 when a sweep failed or nothing could be judged, else 0. Missed targets (MISS) and,
+under --judge, cells the files do not hold (NOT MEASURED) are results, printed, not failures.
 
     python scripts/bench_matrix.py --out-dir /tmp/matrix
     python scripts/bench_matrix.py --paths amx --clients vllm --datasets chat --out-dir /tmp/m
