@@ -102,6 +102,24 @@ def test_kernel_results_do_not_depend_on_the_threads_that_computed_them(kernel, 
     assert all(torch.equal(s, alone) for s in shared) and torch.equal(split, alone)
 
 
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 2), (4, 4)])
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+def test_register_kept_heads_match_the_general_vector_path_bit_for_bit(kernel, heads, kv_heads,
+                                                                      head_dim):
+    """Heads of 64 and 128 floats (32 under AVX2) take decode_heads, whose query heads share
+    each row with their vectors in registers (docs/engines.md says: the same results bit for
+    bit); 16 more zeros make a head size only the general vector path takes, and adding zeros
+    changes no sum, so the two must agree exactly, one-slot contexts and ragged ones included."""
+    lens = [1, 3, 4, 5, 17, 150, 33, 64]
+    d = paged_batch(lens, 64, seed=4)
+    g = torch.Generator().manual_seed(5)
+    cache = torch.randn(2, 64 * BLOCK, kv_heads, head_dim, generator=g)
+    q = torch.randn(len(lens), heads, head_dim, generator=g)
+    got = kernel(q, cache, d.slots, d.lens, head_dim**-0.5)
+    padded = kernel(F.pad(q, (0, 16)), F.pad(cache, (0, 16)), d.slots, d.lens, head_dim**-0.5)
+    assert torch.equal(got, padded[..., :head_dim])
+
+
 def test_kernel_reads_only_each_context(kernel):
     """Padding and slots outside a context never count: poisoning them changes nothing."""
     num_blocks, kv_heads, head_dim = 32, 3, 64
