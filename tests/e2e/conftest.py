@@ -63,6 +63,10 @@ class Server:
     def kv_blocks_used(self) -> float:
         return metric_sum(self.metrics(), "llm_kv_cache_blocks_used")
 
+    def wait_metric(self, name: str, want: float, timeout: float = 10.0, **labels: str) -> float:
+        """`wait_metric` on this server."""
+        return wait_metric([self.options.metrics_url], name, want, timeout, **labels)
+
     def stacks_and_log(self, log_lines: int = 60) -> str:
         """Every stub's and engine rank's thread stacks (see python_backends.diagnostics), then
         the server log's last lines: what a failed test reports, so a hang in CI can be read."""
@@ -79,6 +83,20 @@ class Server:
     def wait_idle(self, timeout: float = 20.0) -> float:
         """Wait until no KV block is in use; returns the last reading."""
         return wait_no_kv_blocks([self.options.metrics_url], timeout)
+
+
+def wait_metric(metrics_urls: list[str], name: str, want: float, timeout: float = 10.0,
+                **labels: str) -> float:
+    """Wait until the metric, summed over the servers behind `metrics_urls` (like
+    `metric_sum`), reads at least `want`; returns the last reading. Engines publish their gauges
+    after a step, at most every PUBLISH_INTERVAL_S, so a scrape right after a token may still
+    read the value from before it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = sum(metric_sum(scrape(url), name, **labels) for url in metrics_urls)
+        if got >= want or time.monotonic() > deadline:
+            return got
+        time.sleep(0.02)
 
 
 def wait_no_kv_blocks(metrics_urls: list[str], timeout: float = 20.0) -> float:

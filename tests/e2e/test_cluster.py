@@ -33,6 +33,7 @@ from tests.e2e.conftest import (
     PROMPTS,
     Reference,
     hf_greedy,
+    wait_metric,
     wait_no_kv_blocks,
 )
 
@@ -124,7 +125,8 @@ def test_a_client_that_goes_away_ends_its_request_on_the_engine_server(
         events = (line for line in r.iter_lines() if line.startswith(b"data:"))
         for _ in range(5):
             next(events)
-        assert sum(_metric(d, "llm_num_requests_running") for d in decodes) == 1
+        assert wait_metric([d.options.metrics_url for d in decodes],
+                           "llm_num_requests_running", 1) == 1
     gone_at = time.monotonic()  # the connection is closed here
     while sum(_metric(d, "llm_num_requests_running") for d in decodes) and (
             time.monotonic() - gone_at < 10):
