@@ -34,7 +34,9 @@ from python_backends.bench.roofline import (
     bound,
     drive,
     measure,
+    measure_step,
     random_prompts,
+    step_bound,
     summary,
 )
 from python_backends.config import DEFAULT_ENGINE_DIR
@@ -109,7 +111,14 @@ def main(argv: list[str] | None = None) -> int:
                                  config.model.vocab_size, seed=100 + level)
         driven = drive(engine, prompts, workload)
         bounds = [bound(workload, projections, rates, n) for n in sorted({1, cores})]
-        row = summary(workload, driven, bounds)
+        try:
+            step = measure_step(engine, projections, level, workload.mean_decode_context)
+        except ValueError as e:
+            print(f"[roofline] no step bound: {e}")
+            step = None
+        steps = ([step_bound(workload, projections, rates, step, n) for n in sorted({1, cores})]
+                 if step is not None else [])
+        row = summary(workload, driven, bounds, steps)
         row["phases_ms_per_token"] = {k: 1e3 * v / driven.output_tokens
                                       for k, v in driven.phases.items()}
         rows.append(row)
@@ -121,12 +130,22 @@ def main(argv: list[str] | None = None) -> int:
                   f"(limit: {b.limit}; arithmetic {b.compute_s:.1f} s, "
                   f"weight reads {b.read_s:.1f} s); engine alone at "
                   f"{driven.tokens_per_s / b.tokens_per_s:.0%} of it")
+        if step is not None:
+            print(f"  a decode step of {level} rows: projections at "
+                  f"{step.body_flops_per_s / 1e9:.0f} GFLOP/s, attention over "
+                  f"{workload.mean_decode_context}-token contexts "
+                  f"{step.attention_s_per_slot * 1e9:.1f} ns a slot (every layer, from memory)")
+        for b in steps:
+            print(f"  step bound on {b.cores} core(s): {b.tokens_per_s:.1f} tok/s (arithmetic "
+                  f"{b.compute_s:.1f} s, decode attention {b.attention_s:.1f} s); engine alone "
+                  f"at {driven.tokens_per_s / b.tokens_per_s:.0%} of it")
         if level in args.peer:
             need = 2 * args.peer[level]
-            best = bounds[-1].tokens_per_s
+            best = (steps or bounds)[-1].tokens_per_s
             verdict = "within" if need <= best else "beyond"
             print(f"  twice the peer ({args.peer[level]:.1f} tok/s) is {need:.1f} tok/s: "
-                  f"{verdict} the bound on {bounds[-1].cores} core(s) ({best:.1f})")
+                  f"{verdict} the {'step ' if steps else ''}bound on {bounds[-1].cores} "
+                  f"core(s) ({best:.1f})")
             row["twice_peer_within_bound"] = need <= best
     if args.peer_itl_ms is not None:
         half = args.peer_itl_ms / 2

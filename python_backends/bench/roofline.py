@@ -11,11 +11,18 @@ A level's time is at least the larger of the two, with the rates measured here w
 own kernels: the projections of a prompt-sized batch (the arithmetic rate) and of one token (a
 step's weight-read time). Attention, norms and everything else count as free, so the bound is
 optimistic; `cores` > 1 assumes perfect scaling, so it is more optimistic still.
+
+`step_bound` is tighter, still optimistic: a level's decode steps at the rate the projections
+reach on that many rows (a few dozen rows run below the prompt-sized rate), plus decode
+attention at its measured time per context slot with the KV read from memory, not cache (a
+step's attention reads every sequence's whole context: at 32 sequences of a few hundred tokens
+it is bound by memory bandwidth). The LM head, prompts' attention and the rest stay free.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +30,8 @@ import torch
 
 from python_backends.engine.llm_engine import LLMEngine
 from python_backends.models import kernels
-from python_backends.models.decoder import CausalLM
+from python_backends.models.attention import DecodeBatch, gathered_decode_attention
+from python_backends.models.decoder import Attention, CausalLM
 from python_backends.parallel.layers import Linear, pass_seconds
 from python_backends.params import SamplingParams
 
@@ -67,10 +75,10 @@ class Projections:
     def all(self) -> tuple[Linear, ...]:
         return self.modules + ((self.lm_head,) if self.lm_head is not None else ())
 
-    def run(self, rows: int, repeats: int) -> float:
-        """Seconds one pass of `rows` tokens through every projection takes, as the engine
-        computes them (best of `repeats`; layers.pass_seconds)."""
-        return pass_seconds(self.all(), rows, repeats)
+    def run(self, rows: int, repeats: int, head: bool = True) -> float:
+        """Seconds one pass of `rows` tokens through every projection (but the LM head, unless
+        `head`) takes, as the engine computes them (best of `repeats`; layers.pass_seconds)."""
+        return pass_seconds(self.all() if head else self.modules, rows, repeats)
 
 
 @dataclass(frozen=True)
@@ -97,6 +105,70 @@ def measure(projections: Projections, prompt_rows: int = 512, repeats: int = 3) 
 
 
 @dataclass(frozen=True)
+class StepRates:
+    """A decode step of `rows` sequences, measured on this process's torch threads: the rate of
+    the projections but the LM head at that many rows, and decode attention's seconds for one
+    row over one context slot, every layer, the KV read from memory."""
+
+    rows: int
+    body_flops_per_s: float
+    attention_s_per_slot: float
+
+
+def decode_attention_seconds(engine: LLMEngine, rows: int, context: int,
+                             repeats: int = 3) -> float:
+    """Seconds one decode step's attention takes for `rows` sequences of `context` tokens, every
+    layer, as the engine computes it (the native kernel, else the torch path), over contexts in
+    blocks scattered through the engine's own KV pool as the block manager hands them out: best
+    of `repeats`, each pass over different blocks, so that the KV comes from memory as it does
+    in a step. Raises ValueError for attention this does not model (latent, sliding windows)
+    and where the pool holds too few blocks."""
+    runner, cfg = engine.runner, engine.config.model
+    if cfg.sliding_window or not all(type(a) is Attention
+                                     for a in runner.model.attention_layers()):
+        raise ValueError("decode attention is measured for full-context multi-head attention; "
+                         "this model has latent attention or sliding windows")
+    block = runner.block_size
+    caches = runner.kv_caches
+    per_row = -(-context // block)
+    pool_blocks = caches[0].shape[1] // block
+    if rows * per_row > pool_blocks:
+        raise ValueError(f"{rows} contexts of {context} tokens need {rows * per_row} KV blocks; "
+                         f"the engine has {pool_blocks}")
+    kernel = kernels.paged_decode_attention()
+    q = torch.randn(rows, cfg.num_heads, cfg.head_dim, dtype=caches[0].dtype)
+    scale = cfg.head_dim ** -0.5
+    g = torch.Generator().manual_seed(0)
+    best = float("inf")
+    with torch.inference_mode(), kernels.helper_off():
+        for i in range(repeats + 1):
+            blocks = torch.randperm(pool_blocks, generator=g)[: rows * per_row].view(rows, -1)
+            slots = (blocks[:, :, None] * block + torch.arange(block)).view(rows, -1)
+            d = DecodeBatch(torch.arange(rows), slots[:, :context].contiguous(),
+                            torch.full((rows,), context))
+            start = time.perf_counter()
+            for cache in caches:
+                if kernel is not None:
+                    kernel(q, cache, d.slots, d.lens, scale)
+                else:
+                    gathered_decode_attention(q, cache, d, scale)
+            if i:
+                best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_step(engine: LLMEngine, projections: Projections, rows: int, context: int,
+                 repeats: int = 3) -> StepRates:
+    """StepRates for decode steps of `rows` sequences of about `context` tokens each, on this
+    process's torch threads only (the native kernels' idle-CPU helper stays out)."""
+    with kernels.helper_off():
+        body_s = projections.run(rows, repeats, head=False)
+    attention_s = decode_attention_seconds(engine, rows, context, repeats)
+    return StepRates(rows, rows * projections.flops_per_token / body_s,
+                     attention_s / (rows * context))
+
+
+@dataclass(frozen=True)
 class Workload:
     prompt_tokens: int
     output_tokens: int
@@ -116,19 +188,32 @@ class Workload:
     def min_steps(self) -> int:
         return -(-self.requests // self.concurrency) * self.output_tokens
 
+    @property
+    def decode_slots(self) -> int:
+        """Context slots the decode rows read: each request's token i (1 .. output_tokens - 1)
+        attends over its prompt and the i tokens before it."""
+        n = self.output_tokens - 1
+        return self.requests * (n * self.prompt_tokens + n * (n + 1) // 2)
+
+    @property
+    def mean_decode_context(self) -> int:
+        """A decode row's context, on average (at least 1)."""
+        return max(1, self.prompt_tokens + self.output_tokens // 2)
+
 
 @dataclass(frozen=True)
 class Bound:
     """The fastest a level could go on `cores` cores."""
 
     cores: int
-    compute_s: float  # the arithmetic at the measured rate
+    compute_s: float  # the arithmetic at the measured rate(s)
     read_s: float  # the steps' weight reads
     output_tokens: int
+    attention_s: float = 0.0  # decode attention's KV reads (step_bound)
 
     @property
     def seconds(self) -> float:
-        return max(self.compute_s, self.read_s)
+        return max(self.compute_s + self.attention_s, self.read_s)
 
     @property
     def tokens_per_s(self) -> float:
@@ -136,7 +221,9 @@ class Bound:
 
     @property
     def limit(self) -> str:
-        return "arithmetic" if self.compute_s >= self.read_s else "weight reads"
+        if self.compute_s + self.attention_s < self.read_s:
+            return "weight reads"
+        return "arithmetic and decode attention" if self.attention_s else "arithmetic"
 
 
 def bound(workload: Workload, projections: Projections, rates: Rates, cores: int = 1) -> Bound:
@@ -145,6 +232,22 @@ def bound(workload: Workload, projections: Projections, rates: Rates, cores: int
         compute_s=workload.flops(projections) / (rates.flops_per_s * cores),
         read_s=workload.min_steps * rates.step_read_s / cores,
         output_tokens=workload.requests * workload.output_tokens,
+    )
+
+
+def step_bound(workload: Workload, projections: Projections, rates: Rates, step: StepRates,
+               cores: int = 1) -> Bound:
+    """The tighter bound (module docstring): prompts' projections at the prompt-sized rate, the
+    decode rows' at `step`'s, decode attention at `step`'s time per slot; the LM head free."""
+    w, body = workload, projections.flops_per_token
+    prompt_s = w.requests * w.prompt_tokens * body / rates.flops_per_s
+    decode_s = w.requests * (w.output_tokens - 1) * body / step.body_flops_per_s
+    return Bound(
+        cores=cores,
+        compute_s=(prompt_s + decode_s) / cores,
+        read_s=w.min_steps * rates.step_read_s / cores,
+        output_tokens=w.requests * w.output_tokens,
+        attention_s=w.decode_slots * step.attention_s_per_slot / cores,
     )
 
 
@@ -203,11 +306,13 @@ def random_prompts(n: int, length: int, vocab_size: int, seed: int = 0) -> list[
     return torch.randint(low, vocab_size, (n, length), generator=g).tolist()
 
 
-def summary(workload: Workload, driven: Driven, bounds: list[Bound]) -> dict[str, Any]:
+def summary(workload: Workload, driven: Driven, bounds: Sequence[Bound],
+            step_bounds: Sequence[Bound] = ()) -> dict[str, Any]:
     return {
         "concurrency": workload.concurrency,
         "engine_tok_s": driven.tokens_per_s,
         "ms_per_step": driven.ms_per_step,
         **{f"bound_{b.cores}_cores_tok_s": b.tokens_per_s for b in bounds},
         **{f"limit_{b.cores}_cores": b.limit for b in bounds},
+        **{f"step_bound_{b.cores}_cores_tok_s": b.tokens_per_s for b in step_bounds},
     }

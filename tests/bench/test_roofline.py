@@ -10,11 +10,15 @@ import pytest
 from python_backends.bench.roofline import (
     Projections,
     Rates,
+    StepRates,
     Workload,
     bound,
+    decode_attention_seconds,
     drive,
     measure,
+    measure_step,
     random_prompts,
+    step_bound,
 )
 from python_backends.config import EngineLimits, ParallelLayout
 from python_backends.engine.builder import write_engine
@@ -100,6 +104,56 @@ def test_the_bound_is_the_larger_floor_and_scales_with_cores(tiny_llama: TinyMod
     assert slow_reads.min_step_s(2) == 0.25
     with pytest.raises(ValueError):
         Workload(prompt_tokens=10, output_tokens=0, concurrency=1, requests=1)
+
+
+def test_the_step_bound_adds_decode_attention_to_each_part_at_its_own_rate(
+        tiny_llama: TinyModel) -> None:
+    p = projections_of(tiny_llama)
+    w = Workload(prompt_tokens=10, output_tokens=4, concurrency=3, requests=7)
+    # Token i = 1, 2, 3 of each request reads its prompt and the i tokens before it.
+    assert w.decode_slots == 7 * (11 + 12 + 13)
+    assert w.mean_decode_context == 12
+    rates = Rates(flops_per_s=7 * 10 * p.flops_per_token / 2.0, step_read_s=0.01, prompt_rows=8)
+    step = StepRates(rows=3, body_flops_per_s=7 * 3 * p.flops_per_token / 1.0,
+                     attention_s_per_slot=0.5 / w.decode_slots)
+    one, two = step_bound(w, p, rates, step), step_bound(w, p, rates, step, cores=2)
+    # prompts 2.0 s, decode rows 1.0 s (the LM head free), attention 0.5 s
+    assert (one.compute_s, one.attention_s) == (pytest.approx(3.0), pytest.approx(0.5))
+    assert one.seconds == pytest.approx(3.5) and one.limit == "arithmetic and decode attention"
+    assert two.tokens_per_s == pytest.approx(2 * one.tokens_per_s) == pytest.approx(28 / 1.75)
+    slow_reads = Rates(flops_per_s=rates.flops_per_s, step_read_s=1.0, prompt_rows=8)
+    assert step_bound(w, p, slow_reads, step).limit == "weight reads"  # 12 steps of 1 s
+    assert bound(w, p, rates).attention_s == 0 and bound(w, p, rates).limit == "arithmetic"
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_decode_attention_is_measured_on_either_path_and_grows_with_context(
+        tiny_llama: TinyModel, monkeypatch: pytest.MonkeyPatch, native: bool) -> None:
+    if not native:  # no native kernels: the torch path the engine then takes
+        monkeypatch.setattr(kernels, "paged_decode_attention", lambda: None)
+    engine = tiny_llama.engine(num_kv_blocks=256)
+    short = decode_attention_seconds(engine, rows=4, context=8)
+    long = decode_attention_seconds(engine, rows=4, context=200)
+    assert 0 < short < long < 1.0
+    with pytest.raises(ValueError, match="KV blocks"):
+        decode_attention_seconds(engine, rows=64, context=200)
+
+
+def test_measured_step_rates_are_positive_and_finite(tiny_llama: TinyModel) -> None:
+    engine = tiny_llama.engine(num_kv_blocks=256)
+    step = measure_step(engine, Projections.of(engine.runner.model), rows=4, context=32,
+                        repeats=2)
+    assert step.rows == 4
+    assert 0 < step.body_flops_per_s < float("inf") and 0 < step.attention_s_per_slot < 1e-3
+
+
+def test_attention_of_another_kind_gets_no_step_bound(tiny_llama: TinyModel,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Latent attention (DeepSeek's) reads another cache layout; this measures the heads'."""
+    engine = tiny_llama.engine(num_kv_blocks=64)
+    monkeypatch.setattr(engine.runner.model, "attention_layers", lambda: [object()])
+    with pytest.raises(ValueError, match="latent attention"):
+        decode_attention_seconds(engine, rows=2, context=16)
 
 
 def test_measured_rates_are_positive_and_finite(tiny_llama: TinyModel) -> None:
