@@ -10,11 +10,15 @@ exactly `--output-tokens` tokens each in this process (no server, no client: wha
 path could keep at best), and prints that beside the roofline of python_backends.bench.roofline:
 the larger of the level's arithmetic at the rate the engine's projections reach on prompt-sized
 batches, and its minimum number of steps times the time one token takes through every projection
-(a step's weight reads), on one core and on every core. `--peer` takes a peer server's output
-tokens/s per level (from `scripts/bench_sweep.py --peer vllm`, same workload) and prints whether
-twice that is within the bound; `--peer-itl-ms` the same for half the peer's time between tokens
-at concurrency 1. Engine threads as in serving (`--threads`, 0: every core but one). Dense,
-single-rank engines (float32, bfloat16, int8 weights); others are refused with a message.
+(a step's weight reads), on one core and on every core; and the tighter step bound
+(roofline.step_bound): the decode rows' projections at the rate measured on as many rows as the
+level has sequences, plus decode attention at its measured time per context slot with the KV
+read from memory. `--peer` takes a peer server's output tokens/s per level (from
+`scripts/bench_sweep.py --peer vllm`, same workload) and prints whether twice that is within the
+step bound (the plain one where the model has no step bound: latent attention, sliding windows);
+`--peer-itl-ms` the same for half the peer's time between tokens at concurrency 1. Engine
+threads as in serving (`--threads`, 0: every core but one). Dense, single-rank engines
+(float32, bfloat16, int8 weights); others are refused with a message.
 """
 
 from __future__ import annotations
