@@ -119,10 +119,10 @@ def decode_attention_seconds(engine: LLMEngine, rows: int, context: int,
                              repeats: int = 3) -> float:
     """Seconds one decode step's attention takes for `rows` sequences of `context` tokens, every
     layer, as the engine computes it (the native kernel, else the torch path), over contexts in
-    blocks scattered through the engine's own KV pool as the block manager hands them out: best
-    of `repeats`, each pass over different blocks, so that the KV comes from memory as it does
-    in a step. Raises ValueError for attention this does not model (latent, sliding windows)
-    and where the pool holds too few blocks."""
+    blocks drawn at random from the engine's own KV pool (a long-running engine's sequences hold
+    blocks anywhere in it): best of `repeats`, each pass over other blocks, so that the KV comes
+    from memory as it does in a step. Raises ValueError for attention this does not model
+    (latent, sliding windows, on a GPU) and where the pool holds too few blocks."""
     runner, cfg = engine.runner, engine.config.model
     if cfg.sliding_window or not all(type(a) is Attention
                                      for a in runner.model.attention_layers()):
@@ -130,6 +130,8 @@ def decode_attention_seconds(engine: LLMEngine, rows: int, context: int,
                          "this model has latent attention or sliding windows")
     block = runner.block_size
     caches = runner.kv_caches
+    if caches[0].device.type != "cpu":
+        raise ValueError("decode attention is measured on CPU engines")
     per_row = -(-context // block)
     pool_blocks = caches[0].shape[1] // block
     if rows * per_row > pool_blocks:
