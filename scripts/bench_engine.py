@@ -108,19 +108,20 @@ def main(argv: list[str] | None = None) -> int:
     drive(engine, random_prompts(warm.requests, args.prompt_tokens, config.model.vocab_size,
                                  seed=1), warm)
     rows = []
+    core_counts = sorted({1, cores})
     for level in levels:
         workload = Workload(args.prompt_tokens, args.output_tokens, level,
                             max(args.requests, level))
         prompts = random_prompts(workload.requests, args.prompt_tokens,
                                  config.model.vocab_size, seed=100 + level)
         driven = drive(engine, prompts, workload)
-        bounds = [bound(workload, projections, rates, n) for n in sorted({1, cores})]
+        bounds = [bound(workload, projections, rates, n) for n in core_counts]
         try:
             step = measure_step(engine, projections, level, workload.mean_decode_context)
         except ValueError as e:
             print(f"[roofline] no step bound: {e}")
             step = None
-        steps = ([step_bound(workload, projections, rates, step, n) for n in sorted({1, cores})]
+        steps = ([step_bound(workload, projections, rates, step, n) for n in core_counts]
                  if step is not None else [])
         row = summary(workload, driven, bounds, steps)
         row["phases_ms_per_token"] = {k: 1e3 * v / driven.output_tokens

@@ -21,6 +21,7 @@ it is bound by memory bandwidth). The LM head, prompts' attention and the rest s
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ import torch
 
 from python_backends.engine.llm_engine import LLMEngine
 from python_backends.models import kernels
-from python_backends.models.attention import DecodeBatch, gathered_decode_attention
+from python_backends.models.attention import DecodeBatch, decode_attention
 from python_backends.models.decoder import Attention, CausalLM
 from python_backends.parallel.layers import Linear, pass_seconds
 from python_backends.params import SamplingParams
@@ -118,7 +119,7 @@ class StepRates:
 def decode_attention_seconds(engine: LLMEngine, rows: int, context: int,
                              repeats: int = 3) -> float:
     """Seconds one decode step's attention takes for `rows` sequences of `context` tokens, every
-    layer, as the engine computes it (the native kernel, else the torch path), over contexts in
+    layer, as the engine computes it (attention.decode_attention), over contexts in
     blocks drawn at random from the engine's own KV pool (a long-running engine's sequences hold
     blocks anywhere in it): best of `repeats`, each pass over other blocks, so that the KV comes
     from memory as it does in a step. Raises ValueError for attention this does not model
@@ -137,7 +138,6 @@ def decode_attention_seconds(engine: LLMEngine, rows: int, context: int,
     if rows * per_row > pool_blocks:
         raise ValueError(f"{rows} contexts of {context} tokens need {rows * per_row} KV blocks; "
                          f"the engine has {pool_blocks}")
-    kernel = kernels.paged_decode_attention()
     q = torch.randn(rows, cfg.num_heads, cfg.head_dim, dtype=caches[0].dtype)
     scale = cfg.head_dim ** -0.5
     g = torch.Generator().manual_seed(0)
@@ -150,10 +150,7 @@ def decode_attention_seconds(engine: LLMEngine, rows: int, context: int,
                             torch.full((rows,), context))
             start = time.perf_counter()
             for cache in caches:
-                if kernel is not None:
-                    kernel(q, cache, d.slots, d.lens, scale)
-                else:
-                    gathered_decode_attention(q, cache, d, scale)
+                decode_attention(q, cache, d, scale)
             if i:
                 best = min(best, time.perf_counter() - start)
     return best
@@ -244,13 +241,9 @@ def step_bound(workload: Workload, projections: Projections, rates: Rates, step:
     w, body = workload, projections.flops_per_token
     prompt_s = w.requests * w.prompt_tokens * body / rates.flops_per_s
     decode_s = w.requests * (w.output_tokens - 1) * body / step.body_flops_per_s
-    return Bound(
-        cores=cores,
-        compute_s=(prompt_s + decode_s) / cores,
-        read_s=w.min_steps * rates.step_read_s / cores,
-        output_tokens=w.requests * w.output_tokens,
-        attention_s=w.decode_slots * step.attention_s_per_slot / cores,
-    )
+    return dataclasses.replace(bound(w, projections, rates, cores),
+                               compute_s=(prompt_s + decode_s) / cores,
+                               attention_s=w.decode_slots * step.attention_s_per_slot / cores)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -85,28 +85,30 @@ class Server:
         return wait_no_kv_blocks([self.options.metrics_url], timeout)
 
 
-def wait_metric(metrics_urls: list[str], name: str, want: float, timeout: float = 10.0,
-                **labels: str) -> float:
-    """Wait until the metric, summed over the servers behind `metrics_urls` (like
-    `metric_sum`), reads at least `want`; returns the last reading. Engines publish their gauges
-    after a step, at most every PUBLISH_INTERVAL_S, so a scrape right after a token may still
-    read the value from before it."""
+def poll_metric(metrics_urls: list[str], name: str, done: Callable[[float], bool],
+                timeout: float, interval: float, **labels: str) -> float:
+    """Scrape the metric, summed over the servers behind `metrics_urls` (like `metric_sum`),
+    every `interval` s until `done` holds for it or `timeout` s have passed; the last reading."""
     deadline = time.monotonic() + timeout
     while True:
         got = sum(metric_sum(scrape(url), name, **labels) for url in metrics_urls)
-        if got >= want or time.monotonic() > deadline:
+        if done(got) or time.monotonic() > deadline:
             return got
-        time.sleep(0.02)
+        time.sleep(interval)
+
+
+def wait_metric(metrics_urls: list[str], name: str, want: float, timeout: float = 10.0,
+                **labels: str) -> float:
+    """Wait until the metric reads at least `want` (poll_metric). Engines publish their gauges
+    after a step, at most every PUBLISH_INTERVAL_S, so a scrape right after a token may still
+    read the value from before it."""
+    return poll_metric(metrics_urls, name, lambda got: got >= want, timeout, 0.02, **labels)
 
 
 def wait_no_kv_blocks(metrics_urls: list[str], timeout: float = 20.0) -> float:
     """Wait until the servers behind `metrics_urls` hold no KV block; returns the last count."""
-    deadline = time.monotonic() + timeout
-    while True:
-        used = sum(metric_sum(scrape(url), "llm_kv_cache_blocks_used") for url in metrics_urls)
-        if not used or time.monotonic() > deadline:
-            return used
-        time.sleep(0.2)
+    return poll_metric(metrics_urls, "llm_kv_cache_blocks_used", lambda used: not used, timeout,
+                       0.2)
 
 
 def compact_stacks(dump: str, keep: int = 4) -> list[str]:
