@@ -279,7 +279,7 @@ def test_packs_into_memory_the_caller_gives(ops):
 # tile (`unpack`: set_unpack_rows), row tiles partial and panels partial; from AMX_ROWS on AMX
 # tiles where the CPU has them.
 BLOCK_SHAPES = [(1, 64, 96), (3, 576, 960), (12, 576, 7), (5, 1536, 576), (13, 576, 100),
-                (25, 576, 70), (40, 64, 33), (47, 1536, 40)]
+                (25, 576, 70), (40, 64, 33), (47, 1536, 40), (600, 576, 40), (460, 1536, 40)]
 
 
 @pytest.fixture(params=[False, True], ids=["panels", "unpacked"])
@@ -299,6 +299,24 @@ def amx_levels(ops):
     before = ops.set_amx_levels(True)
     yield
     ops.set_amx_levels(before)
+
+
+@pytest.mark.parametrize(("rows", "k"), [(600, 576), (700, 1536), (455, 576)])
+def test_calls_in_blocks_of_rows_equal_each_tile_of_rows_alone(ops, helper, unpack, rows, k):
+    """A call whose rows take more than a megabyte computes them in blocks of rows (csrc/linear.cpp,
+    tile_block_rows; the last block shorter): every row bit for bit what a call of a tile's rows
+    gives, from the float32 panels and from the blocks unpacked."""
+    if ops.linear_amx():
+        pytest.skip("calls of this many rows compute on AMX tiles on this CPU")
+    w = gguf_q4_1(96, k, seed=rows)
+    found = first_found(w)
+    assert found is not None
+    blocks = ops.pack_blocks(w, found.q, found.d, found.m, found.kind)
+    packed = ops.pack_linear_weight(w)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k))
+    tiles = torch.cat([ops.linear(x[t:t + 12], packed, 96) for t in range(0, rows, 12)])
+    assert torch.equal(ops.linear(x, packed, 96), tiles)
+    assert torch.equal(ops.linear(x, packed, 96, blocks, found.kind), tiles)
 
 
 def test_unpack_rows_is_set_and_read_back(ops):

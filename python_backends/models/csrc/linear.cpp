@@ -432,6 +432,22 @@ constexpr int64_t kLevelRows = 128;
 // On AMX, the row pieces of one block of rows take at most this much (of a core's 2 MB of L2).
 constexpr int64_t kAmxBlockBytes = 1 << 20;
 
+// Calls whose x takes more than twice this much compute it in blocks of rows of at most this
+// much, so that a block stays in L2 while every panel passes over it; run whole, x streams from
+// L3 or memory once a panel (measured in docs/engines.md, "Projections, and the idle-CPU
+// helper"). Smaller calls, decode steps', run whole: a block more would unpack each panel again
+// (unpacked_panels).
+constexpr int64_t kTileBlockBytes = 512 << 10;
+
+// Rows of one block for panels() and unpacked_panels(): whole tiles, the blocks even.
+int64_t tile_block_rows(int64_t T, int64_t K) {
+  const int64_t row_bytes = K * static_cast<int64_t>(sizeof(float));
+  if (T * row_bytes <= 2 * kTileBlockBytes) return T;
+  const int64_t most = std::max<int64_t>(MR, kTileBlockBytes / row_bytes / MR * MR);
+  const int64_t blocks = (T + most - 1) / most;
+  return ((T + blocks - 1) / blocks + MR - 1) / MR * MR;
+}
+
 #ifdef LLM_AMX
 // A thread's two buffers of split weight panels (amx.h's B operands, in its aligned scratch),
 // and which panel of which call one of them holds already.
@@ -970,10 +986,11 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n,
   const float* xp = x.const_data_ptr<float>();
   const float* wp = packed.const_data_ptr<float>();
   std::vector<at::Tensor> keep = {x, packed};
-  // Chunks cover panels [p0, p1) of rows [t0, t0 + rows): one block of rows, except on AMX.
-  int64_t row_blocks = 1, block_rows = T;
-  PanelsFn compute = [=](int64_t, int64_t p0, int64_t p1, float* dst, int64_t ld) {
-    panels(xp, T, K, wp, n, p0, p1, dst, ld);
+  // Chunks cover panels [p0, p1) of rows [t0, t0 + block_rows).
+  int64_t block_rows = tile_block_rows(T, K);
+  int64_t row_blocks = (T + block_rows - 1) / block_rows;
+  PanelsFn compute = [=](int64_t t0, int64_t p0, int64_t p1, float* dst, int64_t ld) {
+    panels(xp + t0 * K, std::min(block_rows, T - t0), K, wp, n, p0, p1, dst, ld);
   };
   double flops_per_s = 100e9;
   int64_t weight_bytes = sizeof(float);
@@ -999,9 +1016,9 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n,
   if (has_blocks && !levels &&
       (T <= kBlockRows || T <= unpack_rows.load(std::memory_order_relaxed))) {
     weight_bytes = 2;  // a fifth to a half of the bytes, but widened: about half the time
-    compute = [=, run = T <= kBlockRows ? l.run : l.unpacked](int64_t, int64_t p0, int64_t p1,
-                                                               float* dst, int64_t ld) {
-      run(xp, T, K, bp, n, p0, p1, dst, ld);
+    compute = [=, run = T <= kBlockRows ? l.run : l.unpacked](
+                  int64_t t0, int64_t p0, int64_t p1, float* dst, int64_t ld) {
+      run(xp + t0 * K, std::min(block_rows, T - t0), K, bp, n, p0, p1, dst, ld);
     };
   }
 #ifdef LLM_AMX
