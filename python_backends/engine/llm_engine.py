@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -96,6 +96,16 @@ class EngineStats:
 MAX_GRAPH_ROWS = 512
 
 
+def step_budget(built: int, step_tokens: int = 0) -> int:
+    """Tokens one step computes at most: `step_tokens` (0: the engine's own limit, `built`),
+    never more than the engine was built for. On a CPU a smaller budget shortens the steps that
+    running sequences wait through but did not serve faster (docs/engines.md, "The step's token
+    budget")."""
+    if step_tokens < 0:
+        raise ValueError(f"step_tokens must be at least 0, got {step_tokens}")
+    return min(built, step_tokens or built)
+
+
 def graph_rows(config: EngineConfig, speculation: SpeculationConfig | None) -> int:
     """The largest decode step of an engine: every running sequence with its longest draft,
     within one step's token budget."""
@@ -155,13 +165,17 @@ class LLMEngine:
         placement: Placement | None = None, enable_prefix_caching: bool = True,
         kv_tier: TierFactory | None = None, cpu_threads: int = 0,
         speculation: SpeculationConfig | None = None, cuda_graphs: bool = True,
+        step_tokens: int = 0,
     ) -> LLMEngine:
         """`kv_pool`: makes the pool for the engine's layout on rank 0's device (default: plain
         memory there). `placement`: where the instance's ranks compute (default: the CPU).
         `cpu_threads`: torch threads for all its ranks together (0: every core but one; see
-        ranks.threads_per_rank); set for the whole process. The rest as in `__init__`."""
+        ranks.threads_per_rank); set for the whole process. `step_tokens`: the most tokens one
+        step computes (`step_budget`; 0: the engine's own limit). The rest as in `__init__`."""
         config = EngineConfig.load(engine_dir)
         devices = (placement or Placement()).devices(config.parallel.world_size)
+        budget = step_budget(config.limits.max_num_batched_tokens, step_tokens)
+        config = replace(config, limits=replace(config.limits, max_num_batched_tokens=budget))
         threads = threads_per_rank(config.parallel.world_size, cpu_threads)
         torch.set_num_threads(threads)
         group = None

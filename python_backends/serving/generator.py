@@ -94,7 +94,8 @@ class GeneratorModel(EngineListener):
             enable_chunked_prefill=options.enable_chunked_prefill,
             waiting=PriorityFairQueue(options.weights()),
             placement=margs.placement,
-            cpu_threads=options.threads, speculation=speculation(options),
+            cpu_threads=options.threads,
+            step_tokens=options.max_num_batched_tokens, speculation=speculation(options),
             cuda_graphs=options.cuda_graphs, **prefix_caching(options),
         ))
         self.metrics = EngineMetrics(margs.model_name, margs.instance_name)

@@ -57,6 +57,9 @@ class EngineOptions:
     # torch threads of the engine, all its ranks together: "auto" = every core but one
     cpu_threads: str = "auto"
     kv_cache_blocks: int = 1024
+    # the most tokens one step computes (decode rows, then prompt chunks): 0 = the engine's
+    # max_num_batched_tokens, a number below it lowers it
+    max_num_batched_tokens: int = 0
     enable_prefix_caching: bool = True
     kv_store: str = "auto"  # auto: the server's kv_store model when it runs; off
     # comma-separated transports in order of preference, "auto" by the instance's kind, or ""
@@ -68,6 +71,7 @@ class EngineOptions:
             raise OptionError("parameter cpu_threads must be auto or at least 1, got "
                                   f"{self.cpu_threads!r}")
         _at_least("kv_cache_blocks", self.kv_cache_blocks, 1)
+        _at_least("max_num_batched_tokens", self.max_num_batched_tokens, 0)
         _one_of("kv_store", self.kv_store, ("auto", "off"))
 
     @property

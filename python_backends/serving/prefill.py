@@ -67,6 +67,7 @@ class PrefillModel:
             LLMEngine.from_engine_dir,
             engine_path(options.engine_dir), num_kv_blocks=options.kv_cache_blocks,
             kv_pool=pool, placement=margs.placement, cpu_threads=options.threads,
+            step_tokens=options.max_num_batched_tokens,
             **prefix_caching(options),
         ))
         try:

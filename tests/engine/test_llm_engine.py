@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from python_backends.config import EngineLimits
-from python_backends.engine.llm_engine import LLMEngine
+from python_backends.engine.llm_engine import LLMEngine, step_budget
+from python_backends.engine.scheduler import SchedulerOutput
 from python_backends.params import FinishReason, SamplingParams
 from tests.conftest import TinyModel, make_tiny_llama, prompts
 
@@ -40,6 +41,33 @@ def test_chunked_prefill_matches_hf(tiny_llama: TinyModel) -> None:
         max_seq_len=256, max_num_seqs=16, max_num_batched_tokens=7, block_size=4
     )
     assert run_all(engine, batch, 10) == [tiny_llama.greedy(p, 10) for p in batch]
+
+
+def test_step_budget_is_the_engines_limit_unless_set_lower() -> None:
+    assert step_budget(2048) == 2048
+    assert step_budget(2048, step_tokens=512) == 512
+    assert step_budget(2048, step_tokens=4096) == 2048  # never past what the engine was built for
+    with pytest.raises(ValueError, match="step_tokens"):
+        step_budget(2048, step_tokens=-1)
+
+
+def test_steps_compute_at_most_the_budget_set_at_load(tiny_llama: TinyModel) -> None:
+    """`step_tokens` from the model's parameters bounds every step: a batch of prompts longer
+    than it is prefilled over several steps, each within it, with output unchanged."""
+    batch = prompts(6, seed=5, lo=20, hi=40)
+    engine = tiny_llama.engine(step_tokens=24)
+    assert engine.scheduler.limits.max_num_batched_tokens == 24
+    computed: list[int] = []
+    schedule = engine.scheduler.schedule
+
+    def recorded() -> SchedulerOutput:
+        out = schedule()
+        computed.append(out.num_tokens)
+        return out
+
+    engine.scheduler.schedule = recorded  # type: ignore[method-assign]
+    assert run_all(engine, batch, 8) == [tiny_llama.greedy(p, 8) for p in batch]
+    assert max(computed) == 24 and sum(computed) >= sum(map(len, batch))
 
 
 def test_preemption_by_recompute_keeps_output(tiny_llama: TinyModel) -> None:

@@ -63,6 +63,8 @@ def test_empty_means_the_default_and_values_are_typed() -> None:
     (GeneratorOptions, {"kv_lease_seconds": "3"}, "unknown parameter kv_lease_seconds"),
     (GeneratorOptions, {"kv_cache_blocks": "many"}, "kv_cache_blocks must be an integer"),
     (GeneratorOptions, {"kv_cache_blocks": "0"}, "kv_cache_blocks must be at least 1"),
+    (GeneratorOptions, {"max_num_batched_tokens": "-1"}, "max_num_batched_tokens must be at"),
+    (PrefillOptions, {"max_num_batched_tokens": "many"}, "max_num_batched_tokens must be an"),
     (GeneratorOptions, {"enable_chunked_prefill": "yes"}, "enable_chunked_prefill must be true"),
     (GeneratorOptions, {"num_speculative_tokens": "-1"}, "num_speculative_tokens"),
     (GeneratorOptions, {"num_speculative_tokens": "2.5"}, "num_speculative_tokens"),
