@@ -66,6 +66,7 @@ class EngineStats:
     kv_blocks_used: int
     kv_blocks_total: int
     kv_block_size: int  # tokens per block: what a prefix hash covers (prefix_hash)
+    step_tokens: int  # the most tokens one step computes (step_budget)
     num_running: int
     num_waiting: int
     num_preemptions: int  # since start
@@ -307,6 +308,7 @@ class LLMEngine:
             kv_blocks_used=self.blocks.num_used,
             kv_blocks_total=self.blocks.num_blocks,
             kv_block_size=self.blocks.block_size,
+            step_tokens=self.scheduler.limits.max_num_batched_tokens,
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting) + len(self.handoff.pending),
             num_preemptions=self.scheduler.num_preemptions,

@@ -78,6 +78,9 @@ class EngineMetrics:
         self.block_size = _metric(
             "llm_kv_block_size_tokens", "Tokens per KV-cache block (a prefix hash covers one)",
             g, labels)
+        self.step_tokens = _metric(
+            "llm_engine_step_tokens_max", "The most tokens one step computes (the step budget: "
+            "max_num_batched_tokens)", g, labels)
         self.running = _metric(
             "llm_num_requests_running", "Sequences in the running batch", g, labels
         )
@@ -169,6 +172,7 @@ class EngineMetrics:
         self.blocks_used.set(stats.kv_blocks_used)
         self.blocks_total.set(stats.kv_blocks_total)
         self.block_size.set(stats.kv_block_size)
+        self.step_tokens.set(stats.step_tokens)
         self.usage.set(stats.kv_blocks_used / stats.kv_blocks_total)
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)

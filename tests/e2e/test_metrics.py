@@ -15,7 +15,7 @@ pytestmark = pytest.mark.e2e
 
 GAUGES = ("llm_kv_cache_blocks_used", "llm_kv_cache_blocks_total", "llm_kv_cache_usage_ratio",
           "llm_num_requests_running", "llm_num_requests_waiting", "llm_num_preemptions_total",
-          "llm_engine_healthy", "llm_kv_block_size_tokens")
+          "llm_engine_healthy", "llm_kv_block_size_tokens", "llm_engine_step_tokens_max")
 INSTANCES = {"worker_0_0", "prefill_0_0", "decode_0_0"}
 
 

@@ -1,5 +1,6 @@
 """Scheduling policies through the running server: every waiting request reaches the worker's
-fair queue, which serves tenants in turn rather than in arrival order."""
+fair queue, which serves tenants in turn rather than in arrival order; a step budget set on the
+worker bounds its steps."""
 
 from __future__ import annotations
 
@@ -9,8 +10,17 @@ from pathlib import Path
 
 import pytest
 
+from python_backends.bench.client import as_list
+from python_backends.config import EngineConfig
 from python_backends.engine.builder import engine_variant
-from tests.e2e.conftest import ENGINE_DIR, Server
+from tests.e2e.conftest import (
+    ENGINE_DIR,
+    MAX_TOKENS,
+    PROMPTS,
+    Server,
+    hf_greedy,
+    poll_metric,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -46,4 +56,29 @@ def test_tenants_take_turns_behind_a_long_queue(server: Server, tmp_path: Path) 
     # round of A's credit let a few of A's start first; arrival order would let all of them.
     assert len(a_before_b) < 16, f"{len(a_before_b)} of A's started between B's arrival and start"
     assert len(a_after_b) >= 16, f"only {len(a_after_b)} of A's were still waiting"
+    assert server.wait_idle() == 0
+
+
+def test_a_step_budget_set_on_the_worker_bounds_its_steps_and_keeps_the_hf_output(
+        server: Server) -> None:
+    """`max_num_batched_tokens` below the engine's: the worker publishes it as its step budget
+    and prefills prompts longer than it over several steps, with greedy output unchanged (four
+    at once, so decode rows share the budget with prompt chunks); the engine's own again after."""
+    prompts = [p * 4 for p in PROMPTS[:4]]  # 20 to 56 tokens: each longer than the budget
+    expected = hf_greedy(prompts, MAX_TOKENS)
+
+    def step_budget(want: int) -> float:
+        return poll_metric([server.options.metrics_url], "llm_engine_step_tokens_max",
+                           lambda got: got == want, 60, 0.2, model="worker")
+
+    with server.options.repository().reloaded("worker", max_num_batched_tokens="16"):
+        assert step_budget(16) == 16
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            outs = list(pool.map(lambda p: server.client.generate(
+                p, max_tokens=MAX_TOKENS, exclude_input_in_output=True, route="aggregated"),
+                prompts))
+        for prompt, out in zip(prompts, outs, strict=True):
+            assert as_list(out["output_ids"]) == expected.outputs[prompt]
+    built = EngineConfig.load(ENGINE_DIR).limits.max_num_batched_tokens
+    assert step_budget(built) == built
     assert server.wait_idle() == 0

@@ -111,7 +111,8 @@ def _stub(series: dict[tuple[str, frozenset[tuple[str, str]]], _Series]) -> Any:
 
 
 def _stats(**kw: Any) -> EngineStats:
-    return EngineStats(kv_blocks_used=3, kv_blocks_total=8, kv_block_size=16, num_running=1,
+    return EngineStats(kv_blocks_used=3, kv_blocks_total=8, kv_block_size=16, step_tokens=2048,
+                       num_running=1,
                        num_waiting=0, num_preemptions=0, num_prompt_tokens_computed=0,
                        busy_seconds=0.0, running_by_priority={0: 1}, waiting_by_priority={},
                        **kw)
