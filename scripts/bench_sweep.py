@@ -26,7 +26,9 @@ order (`PromptSlices`): the warm-up and every level of every round send prompts 
 one sent (both targets of a level the same), until the file's 215 run out (a sweep of 1, 8 and 32
 takes 160, its warm-up included). `--client vllm` measures with vLLM's own serving
 benchmark client (`vllm bench serve`, backend `openai-chat`, unpaced: every free concurrency
-slot refilled at once) against the same OpenAI endpoints instead, on either dataset. Every row
+slot refilled at once) against the same OpenAI endpoints instead, on either dataset, and keeps
+each level's per-request figures (TTFT, gaps between tokens, lengths) in the output directory as
+`requests-<target>-r<round>-c<concurrency>.json` (the client's detailed result). Every row
 records its client, pacing, dataset, the CPU (model and instruction sets), the engine's CPU path
 (models/cpu_isa.py; `LLM_CPU_ISA` in this script's environment caps it for the server it
 starts) and our server's speculative draft acceptance over the level.
@@ -49,6 +51,7 @@ import csv
 import json
 import os
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -329,10 +332,11 @@ class Ours:
 
 
 def _measure_vllm_client(args: argparse.Namespace, url: str, model: str, name: str, c: int,
-                         tmp: Path, ours: Ours | None, n: int,
-                         prompts: Path | None = None) -> dict[str, Any]:
+                         tmp: Path, ours: Ours | None, n: int, prompts: Path | None = None,
+                         keep: Path | None = None) -> dict[str, Any]:
     """One level of `n` requests with vLLM's client (openai-chat, unpaced) against `url`'s
-    OpenAI API; `prompts`: the chat dataset's slice for it, sent in its order."""
+    OpenAI API; `prompts`: the chat dataset's slice for it, sent in its order; `keep`: where to
+    copy the client's result with every request's figures (TTFT, gaps, lengths)."""
     print(f"[sweep] {name} concurrency {c}: {n} requests, vLLM's client, {args.dataset} ...",
           flush=True)
     if prompts is not None:
@@ -345,7 +349,9 @@ def _measure_vllm_client(args: argparse.Namespace, url: str, model: str, name: s
     result = bench_serve(url, model, args.engine, "openai-chat", tmp / f"{name}-c{c}.json", [
         *data, "--temperature", "0", "--num-prompts", str(n), "--max-concurrency", str(c),
         "--request-rate", "inf", "--percentile-metrics", "ttft,itl", "--metric-percentiles",
-        "50,95", "--seed", "0"], timeout_s=args.timeout)
+        "50,95", "--seed", "0", *(["--save-detailed"] if keep else [])], timeout_s=args.timeout)
+    if keep is not None:
+        shutil.copyfile(tmp / f"{name}-c{c}.json", keep)
     if result["failed"]:
         raise SystemExit(f"{name}: {result['failed']} of {n} requests failed")
     row: dict[str, Any] = {
@@ -435,8 +441,9 @@ def main_vllm_client(args: argparse.Namespace) -> int:
                 n = _requests(args, c)
                 level = prompts(n, f"r{r}-c{c}")
                 for name, target_url, model in targets_all[:: 1 if r % 2 else -1]:
-                    row = _measure_vllm_client(args, target_url, model, name, c, tmp,
-                                               server if name == "ours" else None, n, level)
+                    row = _measure_vllm_client(
+                        args, target_url, model, name, c, tmp, server if name == "ours" else None,
+                        n, level, args.out_dir / f"requests-{name}-r{r}-c{c}.json")
                     rows.append({"round": r, **row, "cpu": cpu, "cpu_path": cpu_isa.describe()})
     write_results(rows, args.out_dir)
     print(f"\nclient {VLLM_CLIENT} (openai-chat), unpaced; dataset {args.dataset}; CPU {cpu}; "

@@ -227,6 +227,10 @@ def test_vllms_benchmark_client_completes_every_request(gateway: Gateway, backen
     result = vllm_peer.bench_serve(
         gateway.url, MODEL, ENGINE_DIR, backend, tmp_path / "result.json",
         ["--dataset-name", "random", "--random-input-len", "48", "--random-output-len", "12",
-         "--num-prompts", "12", "--max-concurrency", "4", "--ignore-eos"], timeout_s=600)
+         "--num-prompts", "12", "--max-concurrency", "4", "--ignore-eos", "--save-detailed"],
+        timeout_s=600)
     assert (result["completed"], result["failed"]) == (12, 0), result
     assert result["total_output_tokens"] == 12 * 12
+    # Every request's own figures, as scripts/bench_sweep.py keeps them for each level.
+    assert result["output_lens"] == [12] * 12
+    assert len(result["ttfts"]) == 12 and all(t > 0 for t in result["ttfts"])
