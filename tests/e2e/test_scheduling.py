@@ -67,12 +67,12 @@ def test_a_step_budget_set_on_the_worker_bounds_its_steps_and_keeps_the_hf_outpu
     prompts = [p * 4 for p in PROMPTS[:4]]  # 20 to 56 tokens: each longer than the budget
     expected = hf_greedy(prompts, MAX_TOKENS)
 
-    def step_budget(want: int) -> float:
+    def step_budget(want: int) -> float:  # an instance gone since (autoscaled) keeps its series
         return poll_metric([server.options.metrics_url], "llm_engine_step_tokens_max",
-                           lambda got: got == want, 60, 0.2, model="worker")
+                           lambda got: got == want, 60, 0.2, instance="worker_0_0")
 
     with server.options.repository().reloaded("worker", max_num_batched_tokens="16"):
-        assert step_budget(16) == 16
+        assert step_budget(16) == 16, server.metrics().get("llm_engine_step_tokens_max")
         with ThreadPoolExecutor(len(prompts)) as pool:
             outs = list(pool.map(lambda p: server.client.generate(
                 p, max_tokens=MAX_TOKENS, exclude_input_in_output=True, route="aggregated"),
@@ -80,5 +80,5 @@ def test_a_step_budget_set_on_the_worker_bounds_its_steps_and_keeps_the_hf_outpu
         for prompt, out in zip(prompts, outs, strict=True):
             assert as_list(out["output_ids"]) == expected.outputs[prompt]
     built = EngineConfig.load(ENGINE_DIR).limits.max_num_batched_tokens
-    assert step_budget(built) == built
+    assert step_budget(built) == built, server.metrics().get("llm_engine_step_tokens_max")
     assert server.wait_idle() == 0
