@@ -346,12 +346,13 @@ def _measure_vllm_client(args: argparse.Namespace, url: str, model: str, name: s
         data = ["--dataset-name", "random", "--random-input-len", str(args.prompt_tokens),
                 "--random-output-len", str(args.output_tokens), "--ignore-eos"]
     snap = ours.snapshot() if ours else None
-    result = bench_serve(url, model, args.engine, "openai-chat", tmp / f"{name}-c{c}.json", [
+    saved = tmp / f"{name}-c{c}.json"
+    result = bench_serve(url, model, args.engine, "openai-chat", saved, [
         *data, "--temperature", "0", "--num-prompts", str(n), "--max-concurrency", str(c),
         "--request-rate", "inf", "--percentile-metrics", "ttft,itl", "--metric-percentiles",
         "50,95", "--seed", "0", *(["--save-detailed"] if keep else [])], timeout_s=args.timeout)
     if keep is not None:
-        shutil.copyfile(tmp / f"{name}-c{c}.json", keep)
+        shutil.copyfile(saved, keep)
     if result["failed"]:
         raise SystemExit(f"{name}: {result['failed']} of {n} requests failed")
     row: dict[str, Any] = {

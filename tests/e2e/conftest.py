@@ -105,6 +105,21 @@ def wait_metric(metrics_urls: list[str], name: str, want: float, timeout: float 
     return poll_metric(metrics_urls, name, lambda got: got >= want, timeout, 0.02, **labels)
 
 
+def steady_metric(metrics_urls: list[str], name: str, timeout: float = 10.0,
+                  **labels: str) -> float:
+    """The metric once two readings 0.6 s apart agree (poll_metric): engines publish after a
+    step at most every PUBLISH_INTERVAL_S and every 0.5 s when idle, so a counter read right
+    after earlier requests may not hold their last step yet."""
+    last: list[float] = []
+
+    def agrees(got: float) -> bool:
+        same = bool(last) and last[-1] == got
+        last.append(got)
+        return same
+
+    return poll_metric(metrics_urls, name, agrees, timeout, 0.6, **labels)
+
+
 def wait_no_kv_blocks(metrics_urls: list[str], timeout: float = 20.0) -> float:
     """Wait until the servers behind `metrics_urls` hold no KV block; returns the last count."""
     return poll_metric(metrics_urls, "llm_kv_cache_blocks_used", lambda used: not used, timeout,

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import random
-import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -18,7 +17,7 @@ import pydantic
 import pytest
 
 from python_backends.bench.client import GenerateError, as_list
-from tests.e2e.conftest import ENGINE_DIR, Gateway, Server
+from tests.e2e.conftest import ENGINE_DIR, Gateway, Server, steady_metric
 
 pytestmark = pytest.mark.e2e
 MODEL = "smollm2"
@@ -122,15 +121,8 @@ def test_a_bad_schema_is_refused_by_name_before_any_engine_work(
     def computed() -> float:
         return metric_sum(server.metrics(), "llm_prompt_tokens_computed_total")
 
-    # Engines publish their counters after a step at most every 50 ms and when idle every 0.5 s:
-    # wait until the earlier tests' last steps are published (a full run read 3 tokens late).
-    server.wait_idle()
-    before, deadline = computed(), time.monotonic() + 10
-    while time.monotonic() < deadline:
-        time.sleep(0.6)
-        if (now := computed()) == before:
-            break
-        before = now
+    server.wait_idle()  # and the earlier tests' last steps published (a full run read 3 late)
+    before = steady_metric([server.options.metrics_url], "llm_prompt_tokens_computed_total")
     with pytest.raises(openai.BadRequestError, match=r"response_format.json_schema.schema"):
         gateway.openai().chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "hi"}],
