@@ -13,7 +13,7 @@ import os
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -61,6 +61,8 @@ class _Caller:
     # A prefilled request's KV handle until its pull takes it: a lease to give back at once
     # if the sequence ends or starts without one (refused, cancelled, no room to pull into).
     handle: KVHandle | None = None
+    answered: bool = False  # a step's tokens went to the caller
+    held: list[TokenEvent] = field(default_factory=list)  # tokens not sent yet (stream_interval)
 
     def fault_due(self, ev: TokenEvent) -> bool:
         """The injected fault strikes at the sequence's first step after its first token."""
@@ -109,6 +111,7 @@ class GeneratorModel(EngineListener):
         except TransportUnavailable as e:
             raise pb_utils.TritonModelException(f"{margs.model_name}: {e}") from None
         self.drain_timeout_s = options.drain_timeout_seconds
+        self.stream_interval = options.interval
         self.outbox = Outbox(margs.instance_name)
         self._restarting = False
         self.loop = EngineLoop(engine, self)
@@ -188,7 +191,9 @@ class GeneratorModel(EngineListener):
 
     def on_tokens(self, events: list[TokenEvent]) -> None:
         """One response per sequence per step, with every token the step drew for it (several
-        when its speculative draft was kept; engine.speculative)."""
+        when its speculative draft was kept; engine.speculative). With a stream_interval above
+        1 (options.GeneratorOptions.interval) a sequence's tokens wait until that many are due,
+        except its first and its last."""
         steps: dict[str, list[TokenEvent]] = {}
         for ev in events:
             caller = self._callers.get(ev.seq_id)
@@ -203,19 +208,31 @@ class GeneratorModel(EngineListener):
                 continue
             self.metrics.observe(ev)
             steps.setdefault(ev.seq_id, []).append(ev)
+        interval = self.stream_interval(len(steps))
         for seq_id, evs in steps.items():
-            last = evs[-1]
-            if last.finish_reason is None:
-                caller, flags = self._callers[seq_id], 0
-            else:
-                caller, flags = self._callers.pop(seq_id), FINAL
-            self.outbox.put(caller.sender, partial(step_response, TokenStep(
-                [e.token_id for e in evs], [e.logprob or 0.0 for e in evs],
-                last.finish_reason.value if last.finish_reason else "",
-                last.num_prompt_tokens, last.num_output_tokens,
-                top_ids=[t for e in evs for t, _ in e.top],
-                top_log_probs=[lp for e in evs for _, lp in e.top],
-            )), flags, caller.lane)
+            caller = self._callers[seq_id]
+            caller.held.extend(evs)
+            if (caller.answered and evs[-1].finish_reason is None
+                    and len(caller.held) < interval):
+                continue
+            self._send_held(seq_id, caller)
+
+    def _send_held(self, seq_id: str, caller: _Caller) -> None:
+        """The tokens `caller` has not been sent yet, in one response (the last if they end
+        the sequence)."""
+        evs, caller.held, caller.answered = caller.held, [], True
+        last = evs[-1]
+        flags = 0
+        if last.finish_reason is not None:
+            del self._callers[seq_id]
+            flags = FINAL
+        self.outbox.put(caller.sender, partial(step_response, TokenStep(
+            [e.token_id for e in evs], [e.logprob or 0.0 for e in evs],
+            last.finish_reason.value if last.finish_reason else "",
+            last.num_prompt_tokens, last.num_output_tokens,
+            top_ids=[t for e in evs for t, _ in e.top],
+            top_log_probs=[lp for e in evs for _, lp in e.top],
+        )), flags, caller.lane)
 
     def on_finished_early(self, seq_id: str, error: Exception | None) -> None:
         caller = self._callers.pop(seq_id)
@@ -224,6 +241,9 @@ class GeneratorModel(EngineListener):
             self._restart_soon()
         if caller_gone(self.outbox, caller.call.board):  # its front died: nobody to answer
             return
+        if caller.held and error is not None:  # the tokens drawn before the error go first,
+            # so a migration resumes after them (a cancelled sequence's are for nobody)
+            self._send_held(seq_id, caller)
         if error is None:
             step = TokenStep([], [], FinishReason.CANCELLED.value, caller.num_prompt_tokens, 0)
         else:  # as data: the front would never see a Triton error after a first response

@@ -33,6 +33,22 @@ def test_sse_stream_matches_hf(server: Server, reference: Reference, prompt: str
     assert len(result.token_times) == len(reference.outputs[prompt])
 
 
+def test_a_stream_interval_sends_runs_of_tokens_and_keeps_the_hf_output(
+        server: Server, reference: Reference) -> None:
+    """The worker reloaded with `stream_interval` 3: each stream's first token comes alone, every
+    later response but the last carries at least three, and together they are HF's output."""
+    with server.options.repository().reloaded("worker", stream_interval="3"):
+        for prompt in PROMPTS[:2]:
+            expected = reference.outputs[prompt]
+            assert len(expected) > 4, prompt  # room for a run of three between first and last
+            runs = [ids for event in server.client.stream(prompt, route="aggregated", **GREEDY)
+                    if (ids := as_list(event.get("output_ids", [])))]
+            assert [t for run in runs for t in run] == expected
+            assert len(runs[0]) == 1 and all(len(run) >= 3 for run in runs[1:-1]), runs
+            assert len(runs) < len(expected), runs
+    assert server.wait_idle() == 0
+
+
 def test_prompt_is_included_unless_excluded(server: Server, reference: Reference) -> None:
     prompt = PROMPTS[0]
     out = server.client.generate(prompt, max_tokens=MAX_TOKENS)

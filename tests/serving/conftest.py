@@ -45,16 +45,28 @@ class Sender:
         return False
 
 
-@pytest.fixture
-def front(monkeypatch: pytest.MonkeyPatch) -> Iterator[types.ModuleType]:
+def _with_fake_pb_utils(monkeypatch: pytest.MonkeyPatch, module: str
+                        ) -> Iterator[types.ModuleType]:
+    """`module` imported afresh over the fake `triton_python_backend_utils`."""
     pb = types.ModuleType("triton_python_backend_utils")
     pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL = FINAL  # type: ignore[attr-defined]
     pb.TritonError = FakeError  # type: ignore[attr-defined]
     pb.InferenceResponse = FakeResponse  # type: ignore[attr-defined]
     pb.Tensor = FakeTensor  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", pb)
-    for name in ("python_backends.serving.common", "python_backends.serving.front"):
+    names = ("python_backends.serving.common", module)
+    for name in names:
         monkeypatch.delitem(sys.modules, name, raising=False)
-    yield importlib.import_module("python_backends.serving.front")
-    for name in ("python_backends.serving.common", "python_backends.serving.front"):
+    yield importlib.import_module(module)
+    for name in names:
         sys.modules.pop(name, None)  # the next importer gets the real pb_utils, or none
+
+
+@pytest.fixture
+def front(monkeypatch: pytest.MonkeyPatch) -> Iterator[types.ModuleType]:
+    yield from _with_fake_pb_utils(monkeypatch, "python_backends.serving.front")
+
+
+@pytest.fixture
+def generator(monkeypatch: pytest.MonkeyPatch) -> Iterator[types.ModuleType]:
+    yield from _with_fake_pb_utils(monkeypatch, "python_backends.serving.generator")

@@ -55,6 +55,8 @@ def test_empty_means_the_default_and_values_are_typed() -> None:
     assert (options.kv_cache_blocks, options.enable_chunked_prefill, options.threads,
             options.drain_timeout_seconds, options.engine_dir) == (64, False, 3, 2.5, "")
     assert parse(GeneratorOptions, {"cpu_threads": "auto"}).threads == 0
+    every_third = parse(GeneratorOptions, {"stream_interval": "3"})
+    assert [every_third.interval(n) for n in (1, 64)] == [3, 3]
     assert parse(GeneratorOptions, {"tenant_weights": '{"gold": 3}'}).weights() == {"gold": 3.0}
 
 
@@ -70,6 +72,9 @@ def test_empty_means_the_default_and_values_are_typed() -> None:
     (GeneratorOptions, {"num_speculative_tokens": "2.5"}, "num_speculative_tokens"),
     (GeneratorOptions, {"cpu_threads": "0"}, "cpu_threads must be auto or at least 1"),
     (GeneratorOptions, {"cpu_threads": "many"}, "cpu_threads"),
+    (GeneratorOptions, {"stream_interval": "0"}, "stream_interval must be auto or at least 1"),
+    (DecodeOptions, {"stream_interval": "2.5"}, "stream_interval must be auto or at least 1"),
+    (PrefillOptions, {"stream_interval": "2"}, "unknown parameter stream_interval"),
     (GeneratorOptions, {"tenant_weights": "[1]"}, "tenant_weights must be a JSON object"),
     (GeneratorOptions, {"tenant_weights": '{"a": "x"}'}, "tenant_weights"),
     (GeneratorOptions, {"tenant_weights": '{"a": 0}'}, "tenant_weights['a'] must be above 0"),
