@@ -340,11 +340,11 @@ class ErrorKind(enum.Enum):
 
 @dataclass(frozen=True)
 class TokenStep(Message):
-    """worker or decode -> front: one step's new tokens of one sequence (one, or more where a
-    speculative draft was kept; none in a final "cancelled" or "error" answer). An engine's
-    error travels here, as data in a final step, never as a Triton error: a decoupled BLS call
-    never receives an error response that is not its first (docs/platform.md). Packed in one
-    tensor: there is one per step (see Message)."""
+    """worker or decode -> front: one sequence's new tokens from a step (one, or more where a
+    speculative draft was kept) or from several (a stream_interval above 1); none in a final
+    "cancelled" or "error" answer. An engine's error travels here, as data in a final step,
+    never as a Triton error: a decoupled BLS call never receives an error response that is not
+    its first (docs/platform.md). Packed in one tensor: there is one per step (see Message)."""
 
     PACKED: ClassVar[str] = "STEP"
     output_ids: list[int] = _tensor("OUTPUT_IDS", Kind.INTS)

@@ -1,5 +1,6 @@
 """`worker` and `decode`: a continuous-batching engine instance (decoupled). Requests join the
-batch; every step sends each sequence's new token back to the caller (the front, over BLS).
+batch; every step sends each sequence's new tokens back to the caller (the front, over BLS), or
+every few steps in big batches (`stream_interval`).
 
 A request may arrive prefilled elsewhere (wire.EngineRequest with a KV handle and first token): the
 instance pulls its KV through the handle's transport (the `kv_transports` parameter enables
