@@ -280,6 +280,9 @@ class GenerationRequest:
     kv_transport: str = ""  # "" = the prefill instance's default
     kv_fault: str = ""  # front.validation.KV_FAULTS
     engine_fault: str = ""  # front.validation.ENGINE_FAULTS
+    # Tokens a streamed response holds at least, but the first and last (the engine's own
+    # stream_interval raises it: serving.options.GeneratorOptions.interval).
+    stream_interval: int = 1
     # Prefix-cache isolation: only requests with the same salt share cached KV. The client's
     # `cache_salt`, else (set by the front) its tenant's.
     cache_salt: str = ""
@@ -496,6 +499,7 @@ CLIENT_INPUTS: dict[str, TensorSpec] = {name: TensorSpec(name, kind, optional=Tr
     ("return_log_probs", Kind.BOOL),
     ("top_log_probs", Kind.INT),  # with each token, the log-probabilities of its k likeliest
     ("priority", Kind.INT),
+    ("stream_interval", Kind.INT),  # send a stream's tokens this many at a time (vLLM's)
     ("cache_salt", Kind.TEXT),
     ("resume_ids", Kind.INTS),  # a request moved from another server: its tokens so far
     ("guided_decoding_guide_type", Kind.TEXT),  # structured output: guides.GUIDE_TYPES

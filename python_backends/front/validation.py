@@ -144,6 +144,7 @@ def parse_request(
         exclude_input_in_output=v.get("exclude_input_in_output", False),
         tenant=_tenant(parameters),
         priority=_priority(v, parameters),
+        stream_interval=_stream_interval(v),
         cache_salt=_cache_salt(inputs, parameters),
         resume_ids=resume_ids,
         **{name: _choice(name, parameters, choices) for name, choices in
@@ -335,6 +336,14 @@ def _priority(values: Mapping[str, Any], parameters: Mapping[str, Any]) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_PRIORITY:
         raise InvalidRequest("priority", f"must be an integer 0-{MAX_PRIORITY}, got {value!r}")
     return value
+
+
+def _stream_interval(values: Mapping[str, Any]) -> int:
+    """Tokens a streamed response holds at least (vLLM's per-request stream_interval)."""
+    interval = values.get("stream_interval", 1)
+    if interval < 1:
+        raise InvalidRequest("stream_interval", f"must be at least 1, got {interval}")
+    return interval
 
 
 def _resume_ids(inputs: Mapping[str, np.ndarray], max_tokens: int,

@@ -30,7 +30,7 @@ _SAMPLING: dict[str, type] = {"temperature": float, "top_p": float, "presence_pe
 # vLLM's extra fields this server takes (docs/gateway.md lists what each maps to).
 VLLM_FIELDS = {"top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos",
                "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens",
-               "spaces_between_special_tokens", "priority"}
+               "spaces_between_special_tokens", "priority", "stream_interval"}
 # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older names.
 GUIDE_FIELDS = {"response_format", "structured_outputs", "guided_json", "guided_regex",
                 "guided_choice", "guided_grammar"}
@@ -329,6 +329,8 @@ def _vllm_fields(raw: dict[str, Any], gen: Generation) -> None:
                           f"-{MAX_PRIORITY} (first) .. 0")
         if priority:
             gen.sampling["priority"] = -priority
+    if raw.get("stream_interval") is not None:  # the server's may be larger (as vLLM's)
+        gen.sampling["stream_interval"] = _int("stream_interval", raw["stream_interval"], lo=1)
     if raw.get("ignore_eos") is not None:
         gen.ignore_eos = _bool("ignore_eos", raw["ignore_eos"])
     if raw.get("include_stop_str_in_output") is not None:

@@ -62,7 +62,8 @@ class _Caller:
     # A prefilled request's KV handle until its pull takes it: a lease to give back at once
     # if the sequence ends or starts without one (refused, cancelled, no room to pull into).
     handle: KVHandle | None = None
-    answered: bool = False  # a step's tokens went to the caller
+    stream_interval: int = 1  # the request's own; the instance's may raise it
+    answered: bool = False  # the client has had a token (this instance's, or prefill's)
     held: list[TokenEvent] = field(default_factory=list)  # tokens not sent yet (stream_interval)
 
     def fault_due(self, ev: TokenEvent) -> bool:
@@ -129,7 +130,10 @@ class GeneratorModel(EngineListener):
                     error_response, f"{self.name}: bad KV handle: {e}"), FINAL, call.lane)
                 continue
             seq_id = uuid.uuid4().hex
-            self._callers[seq_id] = _Caller(call, len(req.prompt_ids), req.engine_fault, handle)
+            # a prefilled request's first token went to the client from the front
+            self._callers[seq_id] = _Caller(
+                call, len(req.prompt_ids), req.engine_fault, handle,
+                stream_interval=req.stream_interval, answered=msg.first_token is not None)
             seq = Sequence(seq_id, list(req.prompt_ids), req.params, priority=req.priority,
                            tenant=req.tenant, cache_salt=req.cache_salt)
             if handle is not None:
@@ -193,8 +197,8 @@ class GeneratorModel(EngineListener):
     def on_tokens(self, events: list[TokenEvent]) -> None:
         """One response per sequence per step, with every token the step drew for it (several
         when its speculative draft was kept; engine.speculative). With a stream_interval above
-        1 (options.GeneratorOptions.interval) a sequence's tokens wait until that many are due,
-        except its first and its last."""
+        1 (the instance's, options.GeneratorOptions.interval, or the request's if larger) a
+        sequence's tokens wait until that many are due, except its first and its last."""
         steps: dict[str, list[TokenEvent]] = {}
         for ev in events:
             caller = self._callers.get(ev.seq_id)
@@ -214,7 +218,7 @@ class GeneratorModel(EngineListener):
             caller = self._callers[seq_id]
             caller.held.extend(evs)
             if (caller.answered and evs[-1].finish_reason is None
-                    and len(caller.held) < interval):
+                    and len(caller.held) < max(interval, caller.stream_interval)):
                 continue
             self._send_held(seq_id, caller)
 

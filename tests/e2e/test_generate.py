@@ -49,6 +49,23 @@ def test_a_stream_interval_sends_runs_of_tokens_and_keeps_the_hf_output(
     assert server.wait_idle() == 0
 
 
+@pytest.mark.parametrize("route", ["aggregated", "disaggregated"])
+def test_a_request_asks_for_its_own_stream_interval(server: Server, reference: Reference,
+                                                    route: str) -> None:
+    """`stream_interval` 3 on one request, on either engine group (a prefilled request's first
+    token comes from the prefill group, the rest from decode): the same runs, HF's output."""
+    prompt = PROMPTS[2]
+    expected = reference.outputs[prompt]
+    assert len(expected) > 4, prompt
+    runs = [ids for event in server.client.stream(prompt, route=route, stream_interval=3,
+                                                  **GREEDY)
+            if (ids := as_list(event.get("output_ids", [])))]
+    assert [t for run in runs for t in run] == expected
+    assert len(runs[0]) == 1 and all(len(run) >= 3 for run in runs[1:-1]), runs
+    assert len(runs) < len(expected), runs
+    assert server.wait_idle() == 0
+
+
 def test_prompt_is_included_unless_excluded(server: Server, reference: Reference) -> None:
     prompt = PROMPTS[0]
     out = server.client.generate(prompt, max_tokens=MAX_TOKENS)

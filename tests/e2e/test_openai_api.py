@@ -1,8 +1,8 @@
 """The OpenAI API as clients call it, through the gateway and the session's server: tool calls
 (a round trip with the official client, streamed and not), n choices that compute their prompt
 once, best_of, lists of prompts and token-id prompts equal to Hugging Face's greedy output,
-echo, logit_bias, min_p, stop_token_ids and priority with their meanings, and vLLM's own
-benchmark client (both of its OpenAI backends) completing every request."""
+echo, logit_bias, min_p, stop_token_ids, priority and stream_interval with their meanings, and
+vLLM's own benchmark client (both of its OpenAI backends) completing every request."""
 
 from __future__ import annotations
 
@@ -184,6 +184,19 @@ def test_logit_bias_min_p_and_stop_token_ids_keep_their_meanings(
                          extra_body={"stop_token_ids": [stop_id], "priority": -5})
     assert stopped.choices[0].finish_reason == "stop"
     assert stopped.usage.completion_tokens == greedy.index(stop_id) + 1
+
+
+def test_a_stream_interval_of_its_own_sends_fewer_chunks(gateway: Gateway,
+                                                         reference: Reference) -> None:
+    """vLLM's per-request `stream_interval` 3: the first chunk at once, then (but the last)
+    chunks of three tokens or more (a kept draft's may be longer), the same text."""
+    prompt = PROMPTS[1]
+    texts = [c.choices[0].text for c in completion(
+        gateway, prompt=prompt, max_tokens=MAX_TOKENS, stream=True,
+        extra_body={"stream_interval": 3}) if c.choices and c.choices[0].text]
+    assert "".join(texts) == reference.text(prompt)
+    n = len(reference.outputs[prompt])
+    assert n > 4 and len(texts) <= 1 + -(-(n - 1) // 3), texts
 
 
 # --- alternatives ---

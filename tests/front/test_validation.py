@@ -136,6 +136,15 @@ def test_cache_salt_from_input_or_parameter() -> None:
         assert e.value.field == "cache_salt"
 
 
+def test_stream_interval_is_at_least_one() -> None:
+    assert parse(text_input=text("x")).stream_interval == 1
+    assert parse(text_input=text("x"), stream_interval=i32(4)).stream_interval == 4
+    for bad in (i32(0), np.array([[2.0]], dtype=np.float32)):
+        with pytest.raises(InvalidRequest) as e:
+            parse(text_input=text("x"), stream_interval=bad)
+        assert e.value.field == "stream_interval"
+
+
 def test_resume_ids_carry_tokens_generated_elsewhere() -> None:
     ids = np.array([[5, 6, 7]], dtype=np.int32)
     req = parse_request({"text_input": text("hi"), "max_tokens": i32(8), "resume_ids": ids},

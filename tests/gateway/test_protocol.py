@@ -42,8 +42,9 @@ def test_vllms_extra_fields_keep_vllms_meanings() -> None:
                             "skip_special_tokens": True, "spaces_between_special_tokens": False})
     assert gen.sampling == {"repetition_penalty": 1.0, "top_k": 0, "min_tokens": 4}
     assert gen.ignore_eos and gen.include_stop
-    chat = parse_chat({**CHAT, "top_k": 5, "ignore_eos": False})
-    assert chat.sampling == {"top_k": 5} and not chat.ignore_eos and not chat.include_stop
+    chat = parse_chat({**CHAT, "top_k": 5, "ignore_eos": False, "stream_interval": 3})
+    assert chat.sampling == {"top_k": 5, "stream_interval": 3}
+    assert not chat.ignore_eos and not chat.include_stop
 
 
 def test_chat_messages_and_max_completion_tokens() -> None:
@@ -78,6 +79,8 @@ def test_chat_messages_and_max_completion_tokens() -> None:
     ({"model": "m", "prompt": "x", "repetition_penalty": "none"}, "repetition_penalty"),
     ({"model": "m", "prompt": "x", "min_tokens": -1}, "min_tokens"),
     ({"model": "m", "prompt": "x", "ignore_eos": "yes"}, "ignore_eos"),
+    ({"model": "m", "prompt": "x", "stream_interval": 0}, "stream_interval"),
+    ({"model": "m", "prompt": "x", "stream_interval": 2.5}, "stream_interval"),
     ({"model": "m", "prompt": "x", "stop_token_ids": "2"}, "stop_token_ids"),
     ({"model": "m", "prompt": "x", "skip_special_tokens": False}, "skip_special_tokens"),
     ({"model": "m", "prompt": "x", "include_stop_str_in_output": 1},

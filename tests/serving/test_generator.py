@@ -34,15 +34,17 @@ class Metrics:
 
 
 def _model(generator: types.ModuleType, monkeypatch: pytest.MonkeyPatch, interval: str,
-           senders: dict[str, Sender]) -> Any:
-    """A GeneratorModel with no engine, its callers `senders` (by sequence id)."""
+           senders: dict[str, Sender], asked: dict[str, int] | None = None) -> Any:
+    """A GeneratorModel with no engine, its callers `senders` (by sequence id), some of whose
+    requests asked for a stream_interval of their own (`asked`)."""
     monkeypatch.setattr(generator, "step_response", lambda step: step)
     model = generator.GeneratorModel.__new__(generator.GeneratorModel)
     model.name = "worker"
     model.stream_interval = GeneratorOptions(stream_interval=interval).interval
     model.outbox, model.metrics = Outbox(), Metrics()
     model._callers = {
-        seq_id: generator._Caller(generator.EngineCall(sender, None, None, 0), 3)
+        seq_id: generator._Caller(generator.EngineCall(sender, None, None, 0), 3,
+                                  stream_interval=(asked or {}).get(seq_id, 1))
         for seq_id, sender in senders.items()}
     return model
 
@@ -115,3 +117,15 @@ def test_auto_holds_tokens_only_in_steps_of_many_sequences(
         assert _sent(senders[s])[2:] == [([13, 14], "", False)]
     assert _sent(senders[list(senders)[-1]]) == [([13], "", False)]  # its first; 14 held
     assert AUTO_STREAM_INTERVAL == 2  # the test's runs are two tokens long
+
+
+def test_a_request_may_ask_for_a_longer_interval_but_not_a_shorter_one(
+        generator: types.ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    longer, shorter, plain = Sender(), Sender(), Sender()
+    model = _model(generator, monkeypatch, "2", {"l": longer, "s": shorter, "p": plain},
+                   asked={"l": 3, "s": 1})
+    for n in range(1, 6):
+        model.on_tokens([_ev(s, 10 + n, n) for s in ("l", "s", "p")])
+    assert _sent(longer) == [([11], "", False), ([12, 13, 14], "", False)]  # 15 held
+    assert _sent(shorter) == _sent(plain) == [([11], "", False), ([12, 13], "", False),
+                                              ([14, 15], "", False)]
