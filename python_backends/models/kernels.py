@@ -44,8 +44,12 @@ SOURCES = tuple(sorted(CSRC.glob("*.cpp")))
 HEADERS = tuple(sorted(CSRC.glob("*.h")))
 BUILD_ROOT = PROJECT_ROOT / "build" / "kernels"
 # -march=native: the library is specific to the CPU it was built on, hence the CPU in its key;
-# then the path's -mno-* flags (cpu_isa) leave out what is above it.
-CFLAGS = ("-O3", "-march=native", "-fopenmp")
+# then the path's -mno-* flags (cpu_isa) leave out what is above it. avoid-fma-max-bits=0: GCC's
+# tuning for AMD Zen splits multiply-adds of 256-bit vectors in loops into a multiply and an add
+# (rounded twice), where the same expression unrolled stays one fused operation; so kernels that
+# promise the same results bit for bit in two summation layouts (paged_attention.cpp) differed
+# on Zen's AVX2 path. Fused everywhere, every CPU rounds as the Intel ones do.
+CFLAGS = ("-O3", "-march=native", "--param=avoid-fma-max-bits=0", "-fopenmp")
 
 
 def cflags() -> tuple[str, ...]:
