@@ -33,19 +33,25 @@ def test_sse_stream_matches_hf(server: Server, reference: Reference, prompt: str
     assert len(result.token_times) == len(reference.outputs[prompt])
 
 
+def assert_runs_of_three(server: Server, reference: Reference, prompt: str,
+                         **request: object) -> None:
+    """A stream of `prompt` whose first token comes alone, every later response but the last
+    carrying at least three, together HF's output."""
+    expected = reference.outputs[prompt]
+    assert len(expected) > 4, prompt  # room for a run of three between first and last
+    runs = [ids for event in server.client.stream(prompt, **request, **GREEDY)
+            if (ids := as_list(event.get("output_ids", [])))]
+    assert [t for run in runs for t in run] == expected
+    assert len(runs[0]) == 1 and all(len(run) >= 3 for run in runs[1:-1]), runs
+    assert len(runs) < len(expected), runs
+
+
 def test_a_stream_interval_sends_runs_of_tokens_and_keeps_the_hf_output(
         server: Server, reference: Reference) -> None:
-    """The worker reloaded with `stream_interval` 3: each stream's first token comes alone, every
-    later response but the last carries at least three, and together they are HF's output."""
+    """The worker reloaded with `stream_interval` 3: runs of three, HF's output."""
     with server.options.repository().reloaded("worker", stream_interval="3"):
         for prompt in PROMPTS[:2]:
-            expected = reference.outputs[prompt]
-            assert len(expected) > 4, prompt  # room for a run of three between first and last
-            runs = [ids for event in server.client.stream(prompt, route="aggregated", **GREEDY)
-                    if (ids := as_list(event.get("output_ids", [])))]
-            assert [t for run in runs for t in run] == expected
-            assert len(runs[0]) == 1 and all(len(run) >= 3 for run in runs[1:-1]), runs
-            assert len(runs) < len(expected), runs
+            assert_runs_of_three(server, reference, prompt, route="aggregated")
     assert server.wait_idle() == 0
 
 
@@ -54,15 +60,7 @@ def test_a_request_asks_for_its_own_stream_interval(server: Server, reference: R
                                                     route: str) -> None:
     """`stream_interval` 3 on one request, on either engine group (a prefilled request's first
     token comes from the prefill group, the rest from decode): the same runs, HF's output."""
-    prompt = PROMPTS[2]
-    expected = reference.outputs[prompt]
-    assert len(expected) > 4, prompt
-    runs = [ids for event in server.client.stream(prompt, route=route, stream_interval=3,
-                                                  **GREEDY)
-            if (ids := as_list(event.get("output_ids", [])))]
-    assert [t for run in runs for t in run] == expected
-    assert len(runs[0]) == 1 and all(len(run) >= 3 for run in runs[1:-1]), runs
-    assert len(runs) < len(expected), runs
+    assert_runs_of_three(server, reference, PROMPTS[2], route=route, stream_interval=3)
     assert server.wait_idle() == 0
 
 
