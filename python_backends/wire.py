@@ -291,17 +291,40 @@ class GenerationRequest:
     resume_ids: list[int] = field(default_factory=list)
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self))
+        """Fields at their defaults are left out, so a request that asks for nothing newer than
+        an engine server knows reads there too: the servers of a cluster may run different
+        versions while it is upgraded (docs/cluster.md). A reader that does not know a field
+        refuses the request rather than serve it without (from_json)."""
+        every = asdict(self.params)
+        params = {**_non_default(self.params), **{k: every[k] for k in _ALWAYS_WRITTEN_PARAMS}}
+        return json.dumps({**_non_default(self), "params": params})
 
     @classmethod
     def from_json(cls, text: str | bytes) -> GenerationRequest:
         d = json.loads(text)
         p = d.pop("params")
-        p["end_ids"] = tuple(p["end_ids"])
-        p["stop_sequences"] = tuple(tuple(s) for s in p["stop_sequences"])
-        p["bad_sequences"] = tuple(tuple(s) for s in p["bad_sequences"])
-        p["logit_bias"] = tuple((int(t), float(b)) for t, b in p["logit_bias"])
+        p["end_ids"] = tuple(p.get("end_ids", ()))
+        p["stop_sequences"] = tuple(tuple(s) for s in p.get("stop_sequences", ()))
+        p["bad_sequences"] = tuple(tuple(s) for s in p.get("bad_sequences", ()))
+        p["logit_bias"] = tuple((int(t), float(b)) for t, b in p.get("logit_bias", ()))
         return cls(params=SamplingParams(**p), **d)
+
+
+# Readers before fields were left out at their defaults index these directly.
+_ALWAYS_WRITTEN_PARAMS = ("max_tokens", "end_ids", "stop_sequences", "bad_sequences", "logit_bias")
+
+
+def _non_default(obj: Any) -> dict[str, Any]:
+    """A dataclass's fields (by name, as they are), less those at their default values."""
+    out = {}
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if f.default is not dataclasses.MISSING and value == f.default:
+            continue
+        if f.default_factory is not dataclasses.MISSING and value == f.default_factory():
+            continue
+        out[f.name] = value
+    return out
 
 
 # --- the messages ------------------------------------------------------------------------------

@@ -3,10 +3,12 @@ wire module writes, and each message survives its encoding (batched or not)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import re
-from dataclasses import dataclass
+from dataclasses import MISSING, asdict, dataclass, field, fields, make_dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
@@ -100,6 +102,52 @@ def test_round_trip(message: Message, batched: bool) -> None:
     arrays = message.encode(batched)
     assert all(arr.ndim == (2 if batched else 1) for arr in arrays.values())
     assert type(message).decode(arrays) == message
+
+
+def previous_version_reads(text: str) -> Any:
+    """How an engine server of the version before `stream_interval` read a request: the class
+    without that field, every params key it indexes required, and no unknown key taken."""
+    older = make_dataclass("GenerationRequest", [
+        (f.name, f.type, field(default=f.default) if f.default is not MISSING
+         else field(default_factory=f.default_factory) if f.default_factory is not MISSING
+         else field())
+        for f in fields(GenerationRequest) if f.name != "stream_interval"], frozen=True)
+    d = json.loads(text)
+    p = d.pop("params")
+    p["end_ids"] = tuple(p["end_ids"])
+    p["stop_sequences"] = tuple(tuple(s) for s in p["stop_sequences"])
+    p["bad_sequences"] = tuple(tuple(s) for s in p["bad_sequences"])
+    p["logit_bias"] = tuple((int(t), float(b)) for t, b in p["logit_bias"])
+    return older(params=SamplingParams(**p), **d)
+
+
+def test_a_request_reads_on_an_older_engine_unless_it_asks_for_something_newer() -> None:
+    """Fields at their defaults stay out of the JSON, so mixed versions serve what both know."""
+    plain = GenerationRequest(prompt_ids=[1, 2], params=SamplingParams(max_tokens=3))
+    assert json.loads(plain.to_json()) == {"prompt_ids": [1, 2], "params": {
+        "max_tokens": 3, "end_ids": [], "stop_sequences": [], "bad_sequences": [],
+        "logit_bias": []}}
+    for request in (plain, REQUEST):
+        old = previous_version_reads(request.to_json())
+        assert asdict(old) == {k: v for k, v in asdict(request).items() if k != "stream_interval"}
+    newer = dataclasses.replace(REQUEST, stream_interval=3)
+    assert json.loads(newer.to_json())["stream_interval"] == 3
+    assert GenerationRequest.from_json(newer.to_json()) == newer
+    with pytest.raises(TypeError, match="stream_interval"):
+        previous_version_reads(newer.to_json())  # refused, not served without it
+    with pytest.raises(TypeError, match="not_a_field"):
+        GenerationRequest.from_json(json.dumps({**json.loads(plain.to_json()), "not_a_field": 1}))
+
+
+def test_fields_at_their_defaults_read_back_as_defaults() -> None:
+    busy = GenerationRequest(
+        prompt_ids=[5], params=SamplingParams(max_tokens=9, top_k=3, bad_sequences=((1, 2),),
+                                              logit_bias=((4, -1.5),), guide_type="regex",
+                                              guide="a+"),
+        exclude_input_in_output=True, kv_transport="nixl", cache_salt="s", resume_ids=[7, 8],
+        stream_interval=2)
+    for request in (busy, GenerationRequest(prompt_ids=[5], params=SamplingParams(max_tokens=9))):
+        assert GenerationRequest.from_json(request.to_json()) == request
 
 
 def test_optional_fields_are_left_out_and_required_ones_named() -> None:
