@@ -278,8 +278,9 @@ def test_packs_into_memory_the_caller_gives(ops):
 # the blocks; more rows the float32 panels, or the blocks each panel unpacked once for every row
 # tile (`unpack`: set_unpack_rows), row tiles partial and panels partial; from AMX_ROWS on AMX
 # tiles where the CPU has them.
-BLOCK_SHAPES = [(1, 64, 96), (3, 576, 960), (12, 576, 7), (5, 1536, 576), (13, 576, 100),
-                (25, 576, 70), (40, 64, 33), (47, 1536, 40), (600, 576, 40), (460, 1536, 40)]
+BLOCK_SHAPES = [(1, 64, 96), (3, 576, 960), (12, 576, 7), (5, 1536, 576), (8, 576, 40),
+                (13, 576, 100), (25, 576, 70), (40, 64, 33), (47, 1536, 40), (600, 576, 40),
+                (460, 1536, 40)]
 
 
 @pytest.fixture(params=[False, True], ids=["panels", "unpacked"])

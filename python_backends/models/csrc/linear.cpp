@@ -271,6 +271,15 @@ struct Halves {
 using BF16 = Halves<true>;
 using F16 = Halves<false>;
 
+// Whether a block tile of R rows makes the next input's weights ahead: its 2 R accumulators,
+// both inputs' weights, a group's scales and offsets, the broadcast input and a mask fit in the
+// vector registers (32 under AVX-512, 16 under AVX2; past that they spill, and the AVX2 path's
+// 6 rows read 20 GMAC/s against 30). Every projection of the default model from its Q4_1 blocks,
+// one thread, 2-core AMD EPYC: 4 rows 27.6 -> 29.3 GMAC/s, 8 rows 37.3 -> 38.9, 10 rows 39.5 ->
+// 42.0; the AVX2 path's 3 rows 20.2 -> 21.1. The products and their order are the same.
+template <int64_t R>
+constexpr bool kPipelined = 2 * R + 10 <= (VL == 16 ? 32 : 16);
+
 template <int64_t R, class F>
 inline void block_tile(const float* x, int64_t K, const uint8_t* panel, float* dst, int64_t ld,
                        int64_t cols) {
@@ -279,11 +288,25 @@ inline void block_tile(const float* x, int64_t K, const uint8_t* panel, float* d
   for (int64_t r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vec{};
   for (int64_t b = 0; b < K / F::kGroup; ++b) {
     const typename F::Scales s = format.block(panel, b);
-    for (int64_t k = b * F::kGroup; k < (b + 1) * F::kGroup; ++k) {
-      __builtin_prefetch(panel + (k + 8 * kAhead) * F::kStride);
-      vec w0, w1;
-      format.at(panel, k, s, w0, w1);
-      accumulate<R>(acc, x, K, k, w0, w1);
+    const int64_t k0 = b * F::kGroup, k1 = k0 + F::kGroup;
+    vec w0, w1;
+    if constexpr (kPipelined<R>) {  // input k + 1's weights made while input k's are multiplied
+      format.at(panel, k0, s, w0, w1);
+      for (int64_t k = k0; k < k1 - 1; ++k) {
+        __builtin_prefetch(panel + (k + 8 * kAhead) * F::kStride);
+        vec n0, n1;
+        format.at(panel, k + 1, s, n0, n1);
+        accumulate<R>(acc, x, K, k, w0, w1);
+        w0 = n0;
+        w1 = n1;
+      }
+      accumulate<R>(acc, x, K, k1 - 1, w0, w1);
+    } else {
+      for (int64_t k = k0; k < k1; ++k) {
+        __builtin_prefetch(panel + (k + 8 * kAhead) * F::kStride);
+        format.at(panel, k, s, w0, w1);
+        accumulate<R>(acc, x, K, k, w0, w1);
+      }
     }
   }
   store_tile<R>(acc, dst, ld, cols);
