@@ -21,7 +21,7 @@ import enum
 import json
 import struct
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Self
 
 import numpy as np
@@ -295,8 +295,8 @@ class GenerationRequest:
         an engine server knows reads there too: the servers of a cluster may run different
         versions while it is upgraded (docs/cluster.md). A reader that does not know a field
         refuses the request rather than serve it without (from_json)."""
-        every = asdict(self.params)
-        params = {**_non_default(self.params), **{k: every[k] for k in _ALWAYS_WRITTEN_PARAMS}}
+        params = {**_non_default(self.params),
+                  **{k: getattr(self.params, k) for k in _ALWAYS_WRITTEN_PARAMS}}
         return json.dumps({**_non_default(self), "params": params})
 
     @classmethod

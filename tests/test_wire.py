@@ -3,10 +3,9 @@ wire module writes, and each message survives its encoding (batched or not)."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
-from dataclasses import MISSING, asdict, dataclass, field, fields, make_dataclass
+from dataclasses import MISSING, asdict, dataclass, field, fields, make_dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -130,7 +129,7 @@ def test_a_request_reads_on_an_older_engine_unless_it_asks_for_something_newer()
     for request in (plain, REQUEST):
         old = previous_version_reads(request.to_json())
         assert asdict(old) == {k: v for k, v in asdict(request).items() if k != "stream_interval"}
-    newer = dataclasses.replace(REQUEST, stream_interval=3)
+    newer = replace(REQUEST, stream_interval=3)
     assert json.loads(newer.to_json())["stream_interval"] == 3
     assert GenerationRequest.from_json(newer.to_json()) == newer
     with pytest.raises(TypeError, match="stream_interval"):
