@@ -31,11 +31,14 @@ from python_backends.params import FinishReason
 @dataclass(frozen=True)
 class ScheduledSequence:
     """`num_new_tokens` of the sequence's known tokens, then (a decoding sequence's) `draft`:
-    speculative tokens computed after them, kept where the model's choices confirm them."""
+    speculative tokens computed after them, kept where the model's choices confirm them.
+    `guess`: instead of a draft, the first token of one that would not pay; not computed, only
+    checked against the model's choice to keep the sequence's record (SpeculationConfig)."""
 
     seq: Sequence
     num_new_tokens: int
     draft: tuple[int, ...] = ()
+    guess: int | None = None
 
     @property
     def samples(self) -> bool:
@@ -127,7 +130,7 @@ class Scheduler:
         while queue and budget > 0:
             seq = queue.popleft()
             n = min(seq.num_uncomputed_tokens, budget)
-            draft = self._draft(seq, budget - n, adapts) if n == 1 else ()
+            draft, guess = self._draft(seq, budget - n, adapts) if n == 1 else ((), None)
             need = self._blocks_needed(seq, n + len(draft))
             if draft and not self.blocks.can_allocate(need):  # drafts never cost a preemption
                 draft, need = (), self._blocks_needed(seq, n)
@@ -140,7 +143,7 @@ class Scheduler:
                 preempted.append(seq)
                 break
             seq.block_table.extend(self.blocks.allocate(need))
-            scheduled.append(ScheduledSequence(seq, n, draft))
+            scheduled.append(ScheduledSequence(seq, n, draft, guess))
             running.append(seq)
             budget -= n + len(draft)
         running.extend(queue)  # budget ran out: they keep their place and run next step
@@ -175,26 +178,28 @@ class Scheduler:
         self.num_preemptions += len(preempted)
         return SchedulerOutput(tuple(scheduled), tuple(preempted))
 
-    def _draft(self, seq: Sequence, budget: int, adapts: bool) -> tuple[int, ...]:
-        """A decoding sequence's draft for this step (engine.speculative): at most `budget`
-        tokens, and none past the sequence's max_tokens or the engine's max_seq_len; as long as
-        a match allows unless the step `adapts` (SpeculationConfig.free_rows): then as long as
-        the sequence's record makes likely enough to be kept (SpeculationConfig.draft_length)."""
+    def _draft(self, seq: Sequence, budget: int,
+               adapts: bool) -> tuple[tuple[int, ...], int | None]:
+        """A decoding sequence's draft for this step (engine.speculative), and its guess if no
+        draft pays (ScheduledSequence). The draft is at most `budget` tokens, and none past the
+        sequence's max_tokens or the engine's max_seq_len; as long as a match allows unless the
+        step `adapts` (SpeculationConfig.free_rows): then as long as the sequence's record makes
+        likely enough to be kept (SpeculationConfig.draft_length), which may be none."""
         spec, p = self.speculation, seq.params
         if (not spec.enabled or not p.greedy or p.needs_logits_processing
                 or seq.prefill_only):
-            return ()
-        if seq.draft_pause and adapts:
-            seq.draft_pause -= 1
-            return ()
+            return (), None
         if seq.ngrams is None:
             seq.ngrams = NgramIndex(spec.ngram_lengths)
         room = min(p.max_tokens - seq.num_output_tokens,
                    self.limits.max_seq_len - seq.num_tokens) - 1
         longest = (spec.draft_length(seq.acceptance, len(self.running)) if adapts
                    else spec.num_tokens)
-        limit = min(longest, budget, room)
-        return grammar_draft(seq, tuple(seq.ngrams.draft(seq.token_ids(), limit)))
+        limit = min(max(longest, 1), budget, room)
+        draft = grammar_draft(seq, tuple(seq.ngrams.draft(seq.token_ids(), limit)))
+        if longest == 0:
+            return (), draft[0] if draft else None
+        return draft, None
 
     def _preempt_for_priority(self) -> list[Sequence]:
         """Make room for a waiting sequence that outranks running ones: while it cannot be
@@ -231,6 +236,8 @@ class Scheduler:
                 0, min(seq.num_computed_tokens, seq.num_prompt_tokens) - before
             )
             if samples:  # the drafts the model confirms are computed too
+                if item.guess is not None:
+                    seq.acceptance.record(1, int(result.token_ids[i] == item.guess))
                 drawn, reason = self._append(seq, item.draft, result, i)
                 i += 1 + len(item.draft)
             self.prefix.cache_computed(seq)
@@ -275,11 +282,6 @@ class Scheduler:
             self.num_draft_tokens += len(draft)
             self.num_accepted_tokens += kept
             seq.acceptance.record(len(draft), kept)
-            if seq.acceptance.rate >= self.speculation.min_acceptance(len(self.running)):
-                seq.draft_misses = 0
-            elif kept < len(draft):  # a probe wholly kept holds the pause where it is
-                seq.draft_misses += 1
-            seq.draft_pause = self.speculation.draft_pause(seq.draft_misses)
         return drawn, reason
 
     def _blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:

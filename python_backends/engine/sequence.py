@@ -60,11 +60,9 @@ class Sequence:
     cache_salt: str = ""
     num_cached_blocks: int = 0
     # Speculative decoding (engine.speculative): the sequence's n-gram index, made when it first
-    # drafts, and how often its draft tokens were kept lately.
+    # drafts, and how often its draft tokens (and guesses) were kept lately.
     ngrams: NgramIndex | None = field(default=None, repr=False)
     acceptance: Acceptance = field(default_factory=Acceptance, repr=False)
-    draft_misses: int = 0  # drafts in a row with a refusal that left `acceptance` too low
-    draft_pause: int = 0  # decode steps left before it drafts again
     # Structured output: the llguidance matcher of a guided sequence (engine.guided), fed every
     # token it appends.
     matcher: Any = field(default=None, repr=False)

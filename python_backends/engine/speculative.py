@@ -18,22 +18,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-MAX_DRAFT_PAUSE = 32  # steps: the longest a sequence whose drafts keep failing stops drafting
-
 
 @dataclass(frozen=True)
 class SpeculationConfig:
     """`num_tokens`: the longest draft (0: off). `ngram_max`..`ngram_min`: the n-gram lengths
     looked up, longest first. `adaptive`: in steps of more than `free_rows` rows each sequence
-    drafts only the tokens likely enough to be kept to pay for their rows (`draft_length`), and
-    a sequence whose record says its drafts do not pay pauses drafting (`draft_pause`), probing
-    with one token now and then; else, and in steps that small, every draft is as long as a
-    match allows.
+    drafts only the tokens likely enough to be kept to pay for their rows (`draft_length`),
+    which may be none: such a sequence's match is only a guess, checked against the token the
+    step chooses without a row computed for it, so its record follows its text at no cost and
+    it drafts again once its guesses would pay; else, and in steps that small, every draft is as
+    long as a match allows.
 
     `free_rows`: a step of that many rows or fewer (running sequences x (num_tokens + 1)) is
     bound by reading the weights, not by arithmetic (the native kernel's tiles are 12 rows: one
     pass over the weights serves them all), so drafts there cost next to nothing however often
-    they fail, and pausing them only loses the ones that would have been kept. Measured on the
+    they fail, and holding them back only loses the ones that would have been kept. Measured on the
     chat workload at concurrency 1 (engine alone, 2-core AMD EPYC): fixed drafting 1.27-1.53x
     drafting off against adaptive's 1.16-1.35x. Weights read as exact GGUF blocks
     (models.weight_blocks) make rows there cost about a fifth of a one-row step each, no longer
@@ -82,19 +81,12 @@ class SpeculationConfig:
 
     def draft_length(self, acceptance: Acceptance, running: int) -> int:
         """The longest draft whose last token a sequence with `acceptance` keeps with at least
-        `min_acceptance(running)` chance (a token is kept only if the ones before it are), at
-        least 1: a sequence below that is paused (`draft_pause`) and probes with one token."""
-        q, least, n = acceptance.rate, self.min_acceptance(running), 1
+        `min_acceptance(running)` chance (a token is kept only if the ones before it are); 0
+        if not even the first would pay: the sequence only guesses (see `adaptive`)."""
+        q, least, n = acceptance.rate, self.min_acceptance(running), 0
         while n < self.num_tokens and q ** (n + 1) >= least:
             n += 1
         return n
-
-    def draft_pause(self, misses: int) -> int:
-        """The steps a sequence drafts nothing after `misses` drafts in a row that had a token
-        refused and left its record below `min_acceptance`: 1, 3, 7, ... up to MAX_DRAFT_PAUSE,
-        so text that does not repeat itself costs at most a probe now and then, and text that
-        starts repeating drafts again soon."""
-        return min(2 ** misses - 1, MAX_DRAFT_PAUSE) if self.adaptive and misses else 0
 
     @property
     def ngram_lengths(self) -> tuple[int, ...]:
@@ -107,7 +99,8 @@ class Acceptance:
     """A sequence's recent record of draft tokens: `kept` of `tried`, each draft's counts
     weighted `DECAY` times the one after it, from a prior of 1.5 kept in 2. A token is tried
     only if the ones before it were kept, so `rate` estimates the chance that a draft token is
-    kept given that the one before it was."""
+    kept given that the one before it was. A guess (a draft's first token checked without
+    being computed) counts as a one-token draft."""
 
     DECAY: ClassVar[float] = 0.75
     kept: float = 1.5

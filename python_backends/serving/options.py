@@ -94,7 +94,7 @@ class GeneratorOptions(EngineOptions):
     enable_chunked_prefill: bool = True
     # the longest prompt-lookup draft a greedy sequence proposes per step (0: off)
     num_speculative_tokens: int = 4
-    # drafts follow each sequence's acceptance, pausing where they keep failing
+    # drafts follow each sequence's acceptance, none where they would not pay
     # (engine.speculative); false: every draft as long as a match allows
     adaptive_speculation: bool = True
     # decode steps replayed as CUDA graphs where the instance is on a GPU (engine.cuda_graphs)

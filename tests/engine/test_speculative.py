@@ -242,20 +242,21 @@ LIKE_A_LARGE_BATCH = functools.partial(SpeculationConfig, 4, free_rows=0, overhe
 
 
 @pytest.mark.parametrize("adaptive", [True, False])
-def test_drafts_that_keep_failing_pause_and_come_back_when_they_pay(
+def test_drafts_that_would_not_pay_are_only_guessed_until_they_would(
         tiny_llama: TinyModel, adaptive: bool) -> None:
-    """Adaptive: a sequence whose drafts are never kept drafts less and less often (pauses of
-    1, 3, 7, 15 steps), so it costs next to nothing; fixed drafts at every step. Either way
-    the output is HF's. Drafts that start paying hold the pause, and once the record clears
-    the bar, end it and grow."""
+    """Adaptive: a sequence whose drafts would never be kept computes none, from the first (the
+    prior is below the bar): each match is a guess, checked against the model's choice for no
+    row; fixed drafts at every step. Either way the output is HF's. Guesses that start being
+    right lift the record over the bar, and the sequence drafts."""
     p = prompts(1, seed=5)[0]
     want = tiny_llama.greedy(p, 40)
     engine, oracle = _never_kept(tiny_llama, LIKE_A_LARGE_BATCH(adaptive=adaptive), p, want)
-    # adaptive: drafts at decode steps 1, 3, 7, 15, 31 (each pause doubling), fixed: all 39
-    assert oracle.calls == (5 if adaptive else 39)
-    assert _drafts(engine)[1] == 0
-    # the oracle right from its third draft on: one-token probes every 4 steps until the
-    # record clears 80%, then drafts at every step (without drafts the 40 tokens take 40 steps)
+    assert oracle.calls == 39  # a lookup at every decode step, drafted or only guessed
+    full_length = sum(min(4, 39 - done) for done in range(1, 40))
+    assert _drafts(engine) == ((0, 0) if adaptive else (full_length, 0))
+    assert engine.scheduler.running == [] and engine.blocks.num_used == 0
+    # the oracle right from its third lookup on: two guesses right clear 80%, then drafts
+    # (without drafts the 40 tokens take 40 steps)
     engine = tiny_llama.engine(speculation=LIKE_A_LARGE_BATCH())
     seq = engine.add_request("t", p, SamplingParams(max_tokens=40))
     seq.ngrams = Wrong(p, want, good_after=2)  # type: ignore[assignment]
@@ -263,12 +264,14 @@ def test_drafts_that_keep_failing_pause_and_come_back_when_they_pay(
     while engine.has_unfinished:
         engine.step()
         steps += 1
-    assert seq.output_ids == want and steps <= 25
+    assert seq.output_ids == want and steps <= 16
+    drafted, kept = _drafts(engine)
+    assert kept == drafted > 0
 
 
 def test_steps_of_few_rows_draft_at_every_step_however_drafts_fare(tiny_llama: TinyModel) -> None:
     """Below free_rows a step is bound by reading the weights: a lone sequence drafts at every
-    step, full length, though nothing is ever kept; output HF's. Past it, pauses again."""
+    step, full length, though nothing is ever kept; output HF's. Past it, only guesses."""
     p = prompts(1, seed=5)[0]
     want = tiny_llama.greedy(p, 40)
     assert SpeculationConfig(4).adapts(3) is False and SpeculationConfig(4).adapts(4) is True
@@ -279,13 +282,14 @@ def test_steps_of_few_rows_draft_at_every_step_however_drafts_fare(tiny_llama: T
 
 def test_a_draft_token_pays_if_kept_as_often_as_the_batch_needs() -> None:
     """A token is tried only if the ones before it were kept; the bar rises with the batch
-    (n / (n + overhead_rows)); a record that clears it drafts the tokens that clear it too."""
+    (n / (n + overhead_rows)); a record that clears it drafts the tokens that clear it too, one
+    below it none (the sequence only guesses)."""
     spec = SpeculationConfig(4)
     assert spec.min_acceptance(8) == pytest.approx(8 / 13)
     assert spec.min_acceptance(32) == pytest.approx(32 / 37)
     record = Acceptance()
     assert record.rate == 0.75  # the prior: one token at 8 sequences (0.75^2 < 8 / 13)
-    assert spec.draft_length(record, 8) == 1
+    assert spec.draft_length(record, 8) == 1 and spec.draft_length(record, 32) == 0
     record.record(4, 1)  # the second token refused: two tried, one kept
     assert (record.kept, record.tried) == (0.75 * 1.5 + 1, 0.75 * 2 + 2)
     for _ in range(8):
@@ -295,5 +299,8 @@ def test_a_draft_token_pays_if_kept_as_often_as_the_batch_needs() -> None:
     record.record(4, 0)  # a miss at the first token: shorter drafts in a large batch
     assert 0.9 < record.rate < 0.92 and spec.draft_length(record, 32) == 1
     assert spec.draft_length(record, 8) == 4
+    for _ in range(4):
+        record.record(1, 0)  # guesses that were wrong
+    assert record.rate < 8 / 13 and spec.draft_length(record, 8) == 0
     with pytest.raises(ValueError, match="overhead_rows"):
         SpeculationConfig(4, overhead_rows=0)
