@@ -127,16 +127,22 @@ TEAM = {"type": "array", "minItems": 4, "maxItems": 4, "items": {
                    "level": {"type": "integer", "minimum": 1, "maximum": 5}}}}
 
 
+# As three sequences draft by default (steps of few rows: full length), and as they would in a
+# large batch: past no free rows, a draft token only if kept 80% of the time, else a guess.
+@pytest.mark.parametrize("speculation", [
+    SpeculationConfig(num_tokens=4),
+    SpeculationConfig(num_tokens=4, free_rows=0, overhead_rows=0.25)], ids=["few", "guesses"])
 def test_drafts_are_checked_against_the_guide_and_change_nothing(
-        engine: LLMEngine, tokenizer: object) -> None:
+        engine: LLMEngine, tokenizer: object, speculation: SpeculationConfig) -> None:
     """Repeated keys give the n-gram drafter drafts; each is cut to what the guide allows and
-    masked position by position, so speculation keeps the guided greedy output as it was."""
+    masked position by position, so speculation keeps the guided greedy output as it was. A
+    guess is checked against the guide without feeding its matcher."""
     prompts = [chat(tokenizer, f"List a team of four ({team}) as JSON.")
                for team in ("web", "data", "mobile")]
     p = dataclasses.replace(params("json_schema", json.dumps(TEAM)), max_tokens=200)
     plain = run(engine, [(q, p) for q in prompts])
     spec = LLMEngine.from_engine_dir(DEFAULT_ENGINE_DIR, num_kv_blocks=256,
-                                     speculation=SpeculationConfig(num_tokens=4))
+                                     speculation=speculation)
     try:
         drafted = run(spec, [(q, p) for q in prompts])
         assert spec.scheduler.num_accepted_tokens > 0
