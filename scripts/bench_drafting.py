@@ -10,7 +10,7 @@ Each round runs every mode on both workloads (off: no drafts; fixed: every draft
 match allows; adaptive: the default, engine.speculative), the modes' order rotated per round.
 Prints output tokens/s, the draft acceptance rate, and each mode's rate over drafting off;
 and, since timings move several percent between runs on a shared machine, what a mode changed
-that does not move: the engine's steps, and the rows its drafts added (drafted minus kept).
+that does not move: the engine's steps, and the rows its refused draft tokens took.
 
     python scripts/bench_drafting.py
     python scripts/bench_drafting.py --concurrency 8 --requests 48 --rounds 3
@@ -61,7 +61,7 @@ class Run:
         return self.kept / self.drafted if self.drafted else None
 
     @property
-    def wasted(self) -> int:
+    def refused(self) -> int:
         """Rows computed for draft tokens that were refused."""
         return self.drafted - self.kept
 
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
                     acc = "-" if out.acceptance is None else f"{100 * out.acceptance:.0f}%"
                     print(f"[bench_drafting] round {r + 1} {workload:<9} {mode:<8} "
                           f"{out.rate:7.1f} tok/s ({out.tokens} tokens, {out.steps} steps, "
-                          f"{out.wasted} rows refused), acceptance {acc}", flush=True)
+                          f"{out.refused} rows refused), acceptance {acc}", flush=True)
     finally:
         engine.close()
     print(f"\n{'workload':<10}{'mode':<10}{'tok/s':>8}{'x off':>8}{'acceptance':>12}"
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             acc = f"{100 * statistics.median(accs):.0f}%" if accs else "-"
             # the same in every round: the steps and drafts do not depend on timing
             print(f"{workload:<10}{mode:<10}{rate:>8.1f}{rate / off:>8.2f}{acc:>12}"
-                  f"{runs[-1].steps:>8}{runs[-1].wasted:>9}")
+                  f"{runs[-1].steps:>8}{runs[-1].refused:>9}")
     return 0
 
 
