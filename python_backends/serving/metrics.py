@@ -6,9 +6,12 @@ Labels identify the model and instance, never the request.
 from __future__ import annotations
 
 import ctypes
+import logging
+import os
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import triton_python_backend_utils as pb_utils
@@ -19,6 +22,8 @@ from python_backends.wire import DEFAULT_TENANT, FRONT_START_METRIC
 if TYPE_CHECKING:  # the front's stub loads this module and needs no torch
     from python_backends.engine.llm_engine import EngineStats, LLMEngine, TokenEvent
     from python_backends.kv_store.host_store import StoreStats
+
+log = logging.getLogger(__name__)
 
 FINISH_REASONS = ("stop", "length")
 ROUTES = ("aggregated", "disaggregated", "disaggregated_fallback")
@@ -108,6 +113,7 @@ class EngineMetrics:
         self._publish_lock = threading.Lock()
         self._last_publish = 0.0
         self._priorities_seen: dict[str, set[int]] = {"running": set(), "waiting": set()}
+        flush()  # the start time is there before Triton finalizes a predecessor (retire)
 
     def _declare_latencies(self, labels: dict[str, str]) -> None:
         self.queue_time = _metric(
@@ -149,7 +155,11 @@ class EngineMetrics:
         after) has started meanwhile: the series are its own then, and zeroing them would show
         it empty and unhealthy until its next publish."""
         with self._publish_lock:
-            if self.start_time.value() != self._started_at:
+            try:
+                if self.start_time.value() != self._started_at:
+                    return
+            except MetricsStalled:
+                log.error("metrics: tritonserver does not answer; the gauges stay as they are")
                 return
             for gauge in (self.blocks_used, self.blocks_total, self.usage, self.running,
                           self.waiting, self.healthy, *self._placement.values()):
@@ -157,6 +167,7 @@ class EngineMetrics:
             for state, seen in self._priorities_seen.items():
                 for priority in seen:
                     self._by_priority(state, priority).set(0)
+        flush()  # before the stub exits
 
     def _by_priority(self, state: str, priority: int) -> Metric:
         return _metric(
@@ -338,6 +349,7 @@ class RequestMetrics:
             self._routed(route)
         for reason in MIGRATION_REASONS:
             self._migrated(reason)
+        flush()  # the series and the start time are on the metrics port once the front is up
 
     def finished(self, state: RequestStream) -> None:
         """A request that ended with a finish reason (stop, length)."""
@@ -350,6 +362,7 @@ class RequestMetrics:
         self.prompt_tokens.increment(len(state.prompt_ids))
         self.generation_tokens.increment(len(state.output_ids))
         self._finished(state.finish_reason).increment(1)
+        flush()  # counted before the answer goes out (bounded: see _Writer)
 
     def _finished(self, reason: str) -> Metric:
         return _metric("llm_requests_finished_total", "Finished requests, by finish reason",
@@ -405,33 +418,133 @@ _families: dict[str, Any] = {}
 _metrics: dict[tuple[str, frozenset[tuple[str, str]]], Metric] = {}
 _immortal(_families)
 _immortal(_metrics)
-# The stub's metric calls are not thread-safe: concurrent updates from request threads corrupt
-# the message the server reads and crash tritonserver (seen with 10 concurrent requests).
-_lock = threading.Lock()
+_lock = threading.Lock()  # _metrics
+
+
+class MetricsStalled(TimeoutError):
+    """tritonserver did not answer a metric call of this stub in time."""
+
+
+class _Writer:
+    """The one thread of a stub that makes pb_utils metric calls, in the order they were asked.
+
+    The calls are not thread-safe (concurrent updates from request threads corrupted the message
+    the server reads and crashed tritonserver, seen with 10 concurrent requests), and each is a
+    synchronous exchange with tritonserver that can stall: seen once for good after another
+    stub of the server was killed, with every request thread that touched a metric waiting
+    behind it. So request threads and the engine loop only queue their updates here; a caller
+    that needs its updates applied (a finished request counted before its answer goes out)
+    waits a bounded time (`flush`), and not at all once the call in progress has already
+    overrun that bound. A stalled writer loses no update while its queue has room; beyond
+    MAX_PENDING updates are dropped, and counted in the log."""
+
+    MAX_PENDING = 100_000
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._pending: deque[Callable[[], None]] = deque()
+        self._queued = 0  # calls ever queued
+        self._done = 0  # of those, calls made (or failed)
+        self._busy_since: float | None = None  # when the call in progress started
+        self._dropped = 0
+        self._pid = 0  # the process the thread runs in (a fork has none)
+
+    def submit(self, call: Callable[[], None]) -> int:
+        """Queue `call`; the number to `wait` for."""
+        with self._cond:
+            if self._pid != os.getpid():
+                self._pid = os.getpid()
+                threading.Thread(target=self._run, name="metrics-writer", daemon=True).start()
+            if len(self._pending) >= self.MAX_PENDING:
+                self._dropped += 1
+                if self._dropped in (1, 1000) or self._dropped % 100_000 == 0:
+                    log.error("metrics: tritonserver has not answered a metric call for %.0f s; "
+                              "%d updates dropped so far",
+                              self._stalled_for(time.monotonic()), self._dropped)
+                return self._queued
+            self._pending.append(call)
+            self._queued += 1
+            self._cond.notify_all()
+            return self._queued
+
+    def wait(self, ticket: int, timeout: float) -> bool:
+        """Whether the calls up to `ticket` were made within `timeout` s. Returns at once when the
+        call in progress has run longer than `timeout` already: a stalled writer costs each
+        caller at most one bound, not one per update."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._done < ticket:
+                now = time.monotonic()
+                if now >= deadline or self._stalled_for(now) > timeout:
+                    return False
+                self._cond.wait(deadline - now)
+            return True
+
+    def flush(self, timeout: float) -> bool:
+        with self._cond:
+            ticket = self._queued
+        return self.wait(ticket, timeout)
+
+    def _stalled_for(self, now: float) -> float:
+        return 0.0 if self._busy_since is None else now - self._busy_since
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._pending:
+                    self._cond.wait()
+                call = self._pending.popleft()
+                self._busy_since = time.monotonic()
+            try:
+                call()
+            except Exception:
+                log.exception("metrics: a metric call failed")
+            with self._cond:
+                self._busy_since = None
+                self._done += 1
+                self._cond.notify_all()
+
+
+_writer = _Writer()
+# How long a caller waits for its updates to reach tritonserver (they normally take well under
+# a millisecond); and for a value read back.
+FLUSH_TIMEOUT_S = 1.0
+READ_TIMEOUT_S = 5.0
+
+
+def flush(timeout: float = FLUSH_TIMEOUT_S) -> bool:
+    """Wait, at most `timeout` s, until this stub's metric updates so far reached tritonserver;
+    whether they did."""
+    return _writer.flush(timeout)
 
 
 class Metric:
-    """A pb_utils metric whose updates are serialized across the stub's threads."""
+    """A pb_utils metric of this stub, made and updated by the stub's metrics writer."""
 
-    def __init__(self, metric: Any) -> None:
-        self._metric = metric
+    def __init__(self, make: Callable[[], Any]) -> None:
+        self._metric: Any = None
+
+        def create() -> None:
+            self._metric = make()
+        _writer.submit(create)
 
     def set(self, value: float) -> None:
-        with _lock:
-            self._metric.set(value)
+        _writer.submit(lambda: self._metric.set(value))
 
     def increment(self, value: float = 1.0) -> None:
-        with _lock:
-            self._metric.increment(value)
+        _writer.submit(lambda: self._metric.increment(value))
 
     def observe(self, value: float) -> None:
-        with _lock:
-            self._metric.observe(value)
+        _writer.submit(lambda: self._metric.observe(value))
 
     def value(self) -> float:
-        """The series' value, as every stub that shares it last left it."""
-        with _lock:
-            return float(self._metric.value())
+        """The series' value, as every stub that shares it last left it (after this stub's own
+        updates so far); MetricsStalled when tritonserver does not answer in time."""
+        got: list[float] = []
+        ticket = _writer.submit(lambda: got.append(float(self._metric.value())))
+        if not _writer.wait(ticket, READ_TIMEOUT_S) or not got:
+            raise MetricsStalled(f"no metric value in {READ_TIMEOUT_S:.0f} s")
+        return got[0]
 
 
 def _metric(
@@ -441,16 +554,14 @@ def _metric(
     key = (name, frozenset(labels.items()))
     with _lock:
         metric = _metrics.get(key)
-        if metric is not None:
-            return metric
-        family = _families.get(name)
-        if family is None:
-            family = _families[name] = pb_utils.MetricFamily(
-                name=name, description=doc, kind=kind
-            )
-        if buckets is not None:
-            metric = Metric(family.Metric(labels=labels, buckets=buckets))
-        else:
-            metric = Metric(family.Metric(labels=labels))
-        _metrics[key] = metric
+        if metric is None:
+            def make() -> Any:  # on the writer thread, like every pb_utils metric call
+                family = _families.get(name)
+                if family is None:
+                    family = _families[name] = pb_utils.MetricFamily(
+                        name=name, description=doc, kind=kind)
+                if buckets is not None:
+                    return family.Metric(labels=labels, buckets=buckets)
+                return family.Metric(labels=labels)
+            metric = _metrics[key] = Metric(make)
         return metric

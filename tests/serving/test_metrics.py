@@ -4,11 +4,16 @@ its own so that its interpreter's shutdown can be watched)."""
 from __future__ import annotations
 
 import importlib.util
+import logging
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 import types
 from typing import Any
+
+import pytest
 
 from python_backends.config import PROJECT_ROOT
 from python_backends.engine.llm_engine import EngineStats
@@ -47,7 +52,9 @@ STUB = textwrap.dedent("""
     metrics = EngineMetrics("worker", "worker_0_0")
     metrics.blocks_used.set(3)
     metrics.queue_time.observe(0.1)
-    del metrics
+    import python_backends.serving.metrics as module
+    assert module.flush(), "the writer made the calls"
+    del metrics, module
     gc.collect()
     print("exiting", flush=True)
 """)
@@ -127,8 +134,10 @@ def test_a_reloaded_instance_keeps_its_gauges_when_its_predecessor_retires() -> 
 
     old = _stub(series).EngineMetrics("worker", "worker_0_0")
     old.publish(_stats())
-    new = _stub(series).EngineMetrics("worker", "worker_0_0")  # Triton: loaded, then old retired
+    new_stub = _stub(series)
+    new = new_stub.EngineMetrics("worker", "worker_0_0")  # Triton: loaded, then old retired
     new.publish(_stats())
+    assert new_stub.flush()
     old.retire()
     assert gauge("llm_engine_healthy") == 1
     assert gauge("llm_kv_cache_blocks_used") == 3
@@ -146,3 +155,77 @@ def test_an_instance_unloaded_for_good_zeroes_its_gauges() -> None:
     for (name, labels), s in series.items():
         if name.startswith(("llm_kv_cache_blocks", "llm_num_requests", "llm_engine_healthy")):
             assert s.current == 0, (name, dict(labels))
+
+
+class _StuckSeries(_Series):
+    """A series whose calls wait until `release` is set: tritonserver not answering."""
+
+    def __init__(self, release: threading.Event, calls: list[tuple[str, float, int]]) -> None:
+        super().__init__()
+        self.release, self.calls = release, calls
+
+    def increment(self, value: float = 1.0) -> None:
+        self.calls.append(("increment", value, threading.get_ident()))
+        self.release.wait(60)
+        super().increment(value)
+
+    def set(self, value: float) -> None:
+        self.calls.append(("set", value, threading.get_ident()))
+        super().set(value)
+
+
+def _stuck_stub(release: threading.Event, calls: list[tuple[str, float, int]]) -> Any:
+    series: dict[tuple[str, frozenset[tuple[str, str]]], _Series] = {}
+    module = _stub(series)
+    module.pb_utils.MetricFamily.Metric = (
+        lambda family, labels, buckets=None: series.setdefault(
+            (family.name, frozenset(labels.items())), _StuckSeries(release, calls)))
+    return module
+
+
+def test_a_metric_call_that_does_not_return_holds_no_caller_beyond_the_flush_bound() -> None:
+    release, calls = threading.Event(), []
+    module = _stuck_stub(release, calls)
+    counter = module._metric("llm_test_total", "test", module.pb_utils.MetricFamily.COUNTER, {})
+    gauge = module._metric("llm_test", "test", module.pb_utils.MetricFamily.GAUGE, {})
+    try:
+        start = time.monotonic()
+        counter.increment(2)  # the writer's call hangs in it
+        for i in range(100):
+            gauge.set(i)  # queued behind it
+        assert time.monotonic() - start < 0.5, "updates only queue"
+        assert not module.flush(0.3), "the writer is stuck"
+        start = time.monotonic()
+        assert not module.flush(0.2)
+        assert time.monotonic() - start < 0.1, "a stall older than the bound costs no wait"
+        with pytest.raises(module.MetricsStalled):
+            module.READ_TIMEOUT_S = 0.2
+            counter.value()
+    finally:
+        release.set()
+    assert module.flush(10)
+    assert counter.value() == 2 and gauge.value() == 99, "nothing lost, in the order asked"
+    assert [c[:2] for c in calls] == [("increment", 2)] + [("set", i) for i in range(100)]
+    assert len({c[2] for c in calls}) == 1, "one thread makes every call"
+    assert calls[0][2] != threading.get_ident()
+
+
+def test_a_stalled_writer_drops_updates_beyond_its_queue_and_says_so(
+        caplog: pytest.LogCaptureFixture) -> None:
+    release, calls = threading.Event(), []
+    module = _stuck_stub(release, calls)
+    module._writer.MAX_PENDING = 10
+    counter = module._metric("llm_test_total", "test", module.pb_utils.MetricFamily.COUNTER, {})
+    try:
+        counter.increment()
+        deadline = time.monotonic() + 10
+        while not calls and time.monotonic() < deadline:  # the writer is in that call
+            time.sleep(0.01)
+        with caplog.at_level(logging.ERROR):
+            for _ in range(30):
+                counter.increment()
+        assert "1 updates dropped" in caplog.text
+    finally:
+        release.set()
+    assert module.flush(10)
+    assert counter.value() == 1 + 10, "the call in progress and a full queue"
