@@ -184,7 +184,8 @@ def _stuck_stub(release: threading.Event, calls: list[tuple[str, float, int]]) -
 
 
 def test_a_metric_call_that_does_not_return_holds_no_caller_beyond_the_flush_bound() -> None:
-    release, calls = threading.Event(), []
+    release = threading.Event()
+    calls: list[tuple[str, float, int]] = []
     module = _stuck_stub(release, calls)
     counter = module._metric("llm_test_total", "test", module.pb_utils.MetricFamily.COUNTER, {})
     gauge = module._metric("llm_test", "test", module.pb_utils.MetricFamily.GAUGE, {})
@@ -212,7 +213,8 @@ def test_a_metric_call_that_does_not_return_holds_no_caller_beyond_the_flush_bou
 
 def test_a_stalled_writer_drops_updates_beyond_its_queue_and_says_so(
         caplog: pytest.LogCaptureFixture) -> None:
-    release, calls = threading.Event(), []
+    release = threading.Event()
+    calls: list[tuple[str, float, int]] = []
     module = _stuck_stub(release, calls)
     module._writer.MAX_PENDING = 10
     counter = module._metric("llm_test_total", "test", module.pb_utils.MetricFamily.COUNTER, {})
