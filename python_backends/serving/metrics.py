@@ -30,6 +30,9 @@ ROUTES = ("aggregated", "disaggregated", "disaggregated_fallback")
 MIGRATION_REASONS = ("engine_died", "engine_unavailable", "instance_down")
 
 PUBLISH_INTERVAL_S = 0.05
+# A gauge is sent when its value changed, and every gauge at least this often (a reloaded
+# instance's predecessor may have zeroed the shared series as it retired).
+REPUBLISH_INTERVAL_S = 1.0
 # Counters published from an engine's running totals (EngineStats field, name, help).
 ENGINE_TOTALS = (
     ("num_prompt_tokens_computed", "llm_prompt_tokens_computed_total",
@@ -113,6 +116,8 @@ class EngineMetrics:
         self._publish_lock = threading.Lock()
         self._last_publish = 0.0
         self._priorities_seen: dict[str, set[int]] = {"running": set(), "waiting": set()}
+        self._sent: dict[Metric, float] = {}  # gauge -> the value last sent
+        self._last_republish = 0.0
         flush()  # the start time is there before Triton finalizes a predecessor (retire)
 
     def _declare_latencies(self, labels: dict[str, str]) -> None:
@@ -167,6 +172,7 @@ class EngineMetrics:
             for state, seen in self._priorities_seen.items():
                 for priority in seen:
                     self._by_priority(state, priority).set(0)
+            self._sent.clear()
         flush()  # before the stub exits
 
     def _by_priority(self, state: str, priority: int) -> Metric:
@@ -180,28 +186,36 @@ class EngineMetrics:
             self._publish(stats)
 
     def _publish(self, stats: EngineStats) -> None:
-        self.blocks_used.set(stats.kv_blocks_used)
-        self.blocks_total.set(stats.kv_blocks_total)
-        self.block_size.set(stats.kv_block_size)
-        self.step_tokens.set(stats.step_tokens)
-        self.usage.set(stats.kv_blocks_used / stats.kv_blocks_total)
-        self.running.set(stats.num_running)
-        self.waiting.set(stats.num_waiting)
-        self.healthy.set(int(stats.ranks_alive == stats.ranks_total))
+        # Each set is an exchange with tritonserver that holds the stub's GIL (Triton 2.51's
+        # pb_utils releases it for increments and observations only): unchanged gauges wait
+        # for the periodic republish.
+        now = time.monotonic()
+        if now - self._last_republish >= REPUBLISH_INTERVAL_S:
+            self._last_republish = now
+            self._sent.clear()
+        gauges: list[tuple[Metric, float]] = [
+            (self.blocks_used, stats.kv_blocks_used), (self.blocks_total, stats.kv_blocks_total),
+            (self.block_size, stats.kv_block_size), (self.step_tokens, stats.step_tokens),
+            (self.usage, stats.kv_blocks_used / stats.kv_blocks_total),
+            (self.running, stats.num_running), (self.waiting, stats.num_waiting),
+            (self.healthy, int(stats.ranks_alive == stats.ranks_total)),
+        ]
         for state, counts in (("running", stats.running_by_priority),
                               ("waiting", stats.waiting_by_priority)):
             seen = self._priorities_seen[state]
             seen.update(counts)
-            for priority in seen:  # a class that emptied reads 0, not its last count
-                self._by_priority(state, priority).set(counts.get(priority, 0))
-        # Republished like the rest: a reloaded instance's predecessor zeroes the same series
-        # when it retires, possibly after this one started.
+            # a class that emptied reads 0, not its last count
+            gauges += [(self._by_priority(state, p), counts.get(p, 0)) for p in seen]
         for device, n in Counter(stats.devices).items():
             if device not in self._placement:
                 self._placement[device] = _metric(
                     "llm_engine_ranks", "Ranks of the instance's engine on each device",
                     pb_utils.MetricFamily.GAUGE, {**self._labels, "device": device})
-            self._placement[device].set(n)
+            gauges.append((self._placement[device], n))
+        for gauge, value in gauges:
+            if self._sent.get(gauge) != value:
+                self._sent[gauge] = value
+                gauge.set(value)
         for field, total in self._totals.items():
             total.publish(getattr(stats, field))
         for phase, seconds in stats.step_seconds:  # every phase from the first publish on

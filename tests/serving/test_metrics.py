@@ -118,11 +118,11 @@ def _stub(series: dict[tuple[str, frozenset[tuple[str, str]]], _Series]) -> Any:
 
 
 def _stats(**kw: Any) -> EngineStats:
-    return EngineStats(kv_blocks_used=3, kv_blocks_total=8, kv_block_size=16, step_tokens=2048,
-                       num_running=1,
-                       num_waiting=0, num_preemptions=0, num_prompt_tokens_computed=0,
-                       busy_seconds=0.0, running_by_priority={0: 1}, waiting_by_priority={},
-                       **kw)
+    return EngineStats(**{
+        "kv_blocks_used": 3, "kv_blocks_total": 8, "kv_block_size": 16, "step_tokens": 2048,
+        "num_running": 1, "num_waiting": 0, "num_preemptions": 0,
+        "num_prompt_tokens_computed": 0, "busy_seconds": 0.0, "running_by_priority": {0: 1},
+        "waiting_by_priority": {}, **kw})
 
 
 def test_a_reloaded_instance_keeps_its_gauges_when_its_predecessor_retires() -> None:
@@ -231,3 +231,38 @@ def test_a_stalled_writer_drops_updates_beyond_its_queue_and_says_so(
         release.set()
     assert module.flush(10)
     assert counter.value() == 1 + 10, "the call in progress and a full queue"
+
+
+def test_unchanged_gauges_wait_for_the_periodic_republish() -> None:
+    sets: list[tuple[str, float]] = []
+
+    class CountingSeries(_Series):
+        name = ""
+
+        def set(self, value: float) -> None:
+            sets.append((self.name, value))
+            super().set(value)
+
+    series: dict[tuple[str, frozenset[tuple[str, str]]], _Series] = {}
+    module = _stub(series)
+
+    def make(family: Any, labels: dict[str, str], buckets: Any = None) -> _Series:
+        s = series.setdefault((family.name, frozenset(labels.items())), CountingSeries())
+        s.name = family.name  # type: ignore[attr-defined]
+        return s
+    module.pb_utils.MetricFamily.Metric = make
+    metrics = module.EngineMetrics("worker", "worker_0_0")
+    metrics.publish(_stats())
+    assert module.flush()
+    first = [name for name, _ in sets if name != "llm_engine_start_time_seconds"]
+    assert "llm_kv_cache_blocks_used" in first and "llm_engine_healthy" in first
+    sets.clear()
+    metrics.publish(_stats())
+    metrics.publish(_stats(kv_blocks_used=5))
+    assert module.flush()
+    assert sets == [("llm_kv_cache_blocks_used", 5), ("llm_kv_cache_usage_ratio", 5 / 8)]
+    sets.clear()
+    metrics._last_republish -= module.REPUBLISH_INTERVAL_S
+    metrics.publish(_stats(kv_blocks_used=5))
+    assert module.flush()
+    assert sorted(name for name, _ in sets) == sorted(first), "every gauge again"
