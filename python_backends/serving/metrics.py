@@ -555,9 +555,19 @@ class Metric:
         """The series' value, as every stub that shares it last left it (after this stub's own
         updates so far); MetricsStalled when tritonserver does not answer in time."""
         got: list[float] = []
-        ticket = _writer.submit(lambda: got.append(float(self._metric.value())))
-        if not _writer.wait(ticket, READ_TIMEOUT_S) or not got:
+        failed: list[Exception] = []
+
+        def read() -> None:
+            try:
+                got.append(float(self._metric.value()))
+            except Exception as e:  # raised to the caller, not logged by the writer
+                failed.append(e)
+        if not _writer.wait(_writer.submit(read), READ_TIMEOUT_S):
             raise MetricsStalled(f"no metric value in {READ_TIMEOUT_S:.0f} s")
+        if failed:
+            raise failed[0]
+        if not got:  # dropped: the queue is full behind a stalled call
+            raise MetricsStalled("the metrics writer's queue is full")
         return got[0]
 
 

@@ -266,3 +266,18 @@ def test_unchanged_gauges_wait_for_the_periodic_republish() -> None:
     metrics.publish(_stats(kv_blocks_used=5))
     assert module.flush()
     assert sorted(name for name, _ in sets) == sorted(first), "every gauge again"
+
+
+def test_a_value_that_cannot_be_read_raises_in_the_caller() -> None:
+    class Unreadable(_Series):
+        def value(self) -> float:
+            raise RuntimeError("metric was deleted")
+
+    series: dict[tuple[str, frozenset[tuple[str, str]]], _Series] = {}
+    module = _stub(series)
+    module.pb_utils.MetricFamily.Metric = lambda family, labels, buckets=None: Unreadable()
+    gauge = module._metric("llm_test", "test", module.pb_utils.MetricFamily.GAUGE, {})
+    with pytest.raises(RuntimeError, match="deleted"):
+        gauge.value()
+    gauge.set(1)
+    assert module.flush(), "the writer goes on"
