@@ -400,6 +400,7 @@ class RequestMetrics:
 
     def unserved(self) -> None:
         self.unserved_requests.increment(1)
+        flush()  # like a finish: counted before the error goes out
 
     def _rejected(self, reason: str, tenant: str) -> Metric:
         return _metric(
@@ -410,6 +411,7 @@ class RequestMetrics:
 
     def rejected(self, reason: str, tenant: str) -> None:
         self._rejected(reason, tenant).increment(1)
+        flush()  # like a finish: counted before the error goes out
 
 
 def _immortal(obj: object) -> None:

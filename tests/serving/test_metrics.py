@@ -281,3 +281,39 @@ def test_a_value_that_cannot_be_read_raises_in_the_caller() -> None:
         gauge.value()
     gauge.set(1)
     assert module.flush(), "the writer goes on"
+
+
+class _SlowSeries(_Series):
+    """tritonserver answering slowly, but answering."""
+
+    def increment(self, value: float = 1.0) -> None:
+        time.sleep(0.02)
+        super().increment(value)
+
+
+@pytest.mark.parametrize("outcome", ["finished", "rejected", "unserved"])
+def test_how_a_request_ended_is_counted_before_the_caller_goes_on(outcome: str) -> None:
+    from python_backends.front.stream import RequestStream
+
+    series: dict[tuple[str, frozenset[tuple[str, str]]], _Series] = {}
+    module = _stub(series)
+    module.pb_utils.MetricFamily.Metric = (
+        lambda family, labels, buckets=None: series.setdefault(
+            (family.name, frozenset(labels.items())), _SlowSeries()))
+    metrics = module.RequestMetrics("front", reject_reasons=("queue_full",))
+    state = RequestStream(prompt_ids=[1, 2, 3], stream=True, exclude_input_in_output=True,
+                          return_log_probs=False, output_ids=[7, 8], finish_reason="stop")
+    {"finished": lambda: metrics.finished(state),
+     "rejected": lambda: metrics.rejected("queue_full", "default"),
+     "unserved": metrics.unserved}[outcome]()
+
+    def total(name: str, **labels: str) -> float:
+        return series[(name, frozenset({"model": "front", **labels}.items()))].current
+    counted = {
+        "finished": lambda: (total("llm_requests_finished_total", finish_reason="stop"),
+                             total("llm_generation_tokens_total")) == (1, 2),
+        "rejected": lambda: total("llm_requests_rejected_total", reason="queue_full",
+                                  tenant="default") == 1,
+        "unserved": lambda: total("llm_requests_unserved_total") == 1,
+    }[outcome]()
+    assert counted
