@@ -11,6 +11,7 @@ import textwrap
 import threading
 import time
 import types
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -87,9 +88,11 @@ class _Series:
         return self.current
 
 
-def _stub(series: dict[tuple[str, frozenset[tuple[str, str]]], _Series]) -> Any:
+def _stub(series: dict[tuple[str, frozenset[tuple[str, str]]], _Series],
+          new_series: Callable[[str], _Series] = lambda family: _Series()) -> Any:
     """`serving.metrics` as one more stub process would load it: a module of its own (its own
-    metric objects) over the server's shared series."""
+    metric objects) over the server's shared series, each new one made by `new_series` from
+    its family's name."""
     class MetricFamily:
         COUNTER, GAUGE, HISTOGRAM = 0, 1, 2
 
@@ -97,7 +100,10 @@ def _stub(series: dict[tuple[str, frozenset[tuple[str, str]]], _Series]) -> Any:
             self.name = name
 
         def Metric(self, labels: dict[str, str], buckets: Any = None) -> _Series:
-            return series.setdefault((self.name, frozenset(labels.items())), _Series())
+            key = (self.name, frozenset(labels.items()))
+            if key not in series:
+                series[key] = new_series(self.name)
+            return series[key]
 
     pb = types.ModuleType("triton_python_backend_utils")
     pb.MetricFamily = MetricFamily  # type: ignore[attr-defined]
@@ -174,19 +180,10 @@ class _StuckSeries(_Series):
         super().set(value)
 
 
-def _stuck_stub(release: threading.Event, calls: list[tuple[str, float, int]]) -> Any:
-    series: dict[tuple[str, frozenset[tuple[str, str]]], _Series] = {}
-    module = _stub(series)
-    module.pb_utils.MetricFamily.Metric = (
-        lambda family, labels, buckets=None: series.setdefault(
-            (family.name, frozenset(labels.items())), _StuckSeries(release, calls)))
-    return module
-
-
 def test_a_metric_call_that_does_not_return_holds_no_caller_beyond_the_flush_bound() -> None:
     release = threading.Event()
     calls: list[tuple[str, float, int]] = []
-    module = _stuck_stub(release, calls)
+    module = _stub({}, lambda family: _StuckSeries(release, calls))
     counter = module._metric("llm_test_total", "test", module.pb_utils.MetricFamily.COUNTER, {})
     gauge = module._metric("llm_test", "test", module.pb_utils.MetricFamily.GAUGE, {})
     try:
@@ -215,7 +212,7 @@ def test_a_stalled_writer_drops_updates_beyond_its_queue_and_says_so(
         caplog: pytest.LogCaptureFixture) -> None:
     release = threading.Event()
     calls: list[tuple[str, float, int]] = []
-    module = _stuck_stub(release, calls)
+    module = _stub({}, lambda family: _StuckSeries(release, calls))
     module._writer.MAX_PENDING = 10
     counter = module._metric("llm_test_total", "test", module.pb_utils.MetricFamily.COUNTER, {})
     try:
@@ -237,20 +234,15 @@ def test_unchanged_gauges_wait_for_the_periodic_republish() -> None:
     sets: list[tuple[str, float]] = []
 
     class CountingSeries(_Series):
-        name = ""
+        def __init__(self, name: str) -> None:
+            super().__init__()
+            self.name = name
 
         def set(self, value: float) -> None:
             sets.append((self.name, value))
             super().set(value)
 
-    series: dict[tuple[str, frozenset[tuple[str, str]]], _Series] = {}
-    module = _stub(series)
-
-    def make(family: Any, labels: dict[str, str], buckets: Any = None) -> _Series:
-        s = series.setdefault((family.name, frozenset(labels.items())), CountingSeries())
-        s.name = family.name  # type: ignore[attr-defined]
-        return s
-    module.pb_utils.MetricFamily.Metric = make
+    module = _stub({}, CountingSeries)
     metrics = module.EngineMetrics("worker", "worker_0_0")
     metrics.publish(_stats())
     assert module.flush()
@@ -273,9 +265,7 @@ def test_a_value_that_cannot_be_read_raises_in_the_caller() -> None:
         def value(self) -> float:
             raise RuntimeError("metric was deleted")
 
-    series: dict[tuple[str, frozenset[tuple[str, str]]], _Series] = {}
-    module = _stub(series)
-    module.pb_utils.MetricFamily.Metric = lambda family, labels, buckets=None: Unreadable()
+    module = _stub({}, lambda family: Unreadable())
     gauge = module._metric("llm_test", "test", module.pb_utils.MetricFamily.GAUGE, {})
     with pytest.raises(RuntimeError, match="deleted"):
         gauge.value()
@@ -296,10 +286,7 @@ def test_how_a_request_ended_is_counted_before_the_caller_goes_on(outcome: str) 
     from python_backends.front.stream import RequestStream
 
     series: dict[tuple[str, frozenset[tuple[str, str]]], _Series] = {}
-    module = _stub(series)
-    module.pb_utils.MetricFamily.Metric = (
-        lambda family, labels, buckets=None: series.setdefault(
-            (family.name, frozenset(labels.items())), _SlowSeries()))
+    module = _stub(series, lambda family: _SlowSeries())
     metrics = module.RequestMetrics("front", reject_reasons=("queue_full",))
     state = RequestStream(prompt_ids=[1, 2, 3], stream=True, exclude_input_in_output=True,
                           return_log_probs=False, output_ids=[7, 8], finish_reason="stop")
